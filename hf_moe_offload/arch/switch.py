@@ -1,0 +1,66 @@
+"""Switch Transformers (encoder-decoder, top-1 router with capacity): experts are a `ModuleDict` of
+`DenseActDense(wi [F, H], wo [H, F])`, which transformers does not route through `ExpertsInterface`.
+
+The adapter swaps the sparse MLP's `experts` child for `OffloadedSwitchExperts` (same call signature) and puts the
+original back on detach; nothing at class level changes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..checkpoint import CheckpointError, CheckpointIndex
+from ..execute import OffloadedSwitchExperts
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch
+
+
+class SwitchArch(MoEArch):
+    model_types = ("switch_transformers",)
+
+    def is_experts_module(self, module: nn.Module) -> bool:
+        return type(module).__name__ == "SwitchTransformersExperts"
+
+    def layout(self, module: nn.Module) -> SlabLayout:
+        first = module["expert_0"]
+        return SlabLayout(parts=(("wi", tuple(first.wi.weight.shape)), ("wo", tuple(first.wo.weight.shape))))
+
+    def top_k(self, config) -> int:
+        return 1
+
+    def expert_pieces(self, index: CheckpointIndex, name: str, expert: int, layout: SlabLayout
+                      ) -> list[ExpertPiece]:
+        for prefix in checkpoint_key_candidates(name):
+            keys = [f"{prefix}.expert_{expert}.{n}.weight" for n in ("wi", "wo")]
+            if all(k in index for k in keys):
+                return [ExpertPiece("wi", 0, index.locate(keys[0])), ExpertPiece("wo", 0, index.locate(keys[1]))]
+        raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked for "
+                              f"{name}.expert_{expert}.wi.weight)")
+
+    def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
+        mlp = module[f"expert_{expert}"]
+        return {"wi": mlp.wi.weight.data, "wo": mlp.wo.weight.data}
+
+    def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
+        for e in range(module.num_experts):
+            mlp = module[f"expert_{e}"]
+            mlp.wi.weight = nn.Parameter(stacked["wi"][e].clone(), requires_grad=mlp.wi.weight.requires_grad)
+            mlp.wo.weight = nn.Parameter(stacked["wo"][e].clone(), requires_grad=mlp.wo.weight.requires_grad)
+
+    def release_expert_params(self, module: nn.Module) -> None:
+        for e in range(module.num_experts):
+            for linear in (module[f"expert_{e}"].wi, module[f"expert_{e}"].wo):
+                w = linear.weight
+                linear.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=w.requires_grad)
+
+    def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
+        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
+        parent.experts = OffloadedSwitchExperts(layer.module, runtime)
+
+    def detach(self, model: nn.Module, layer: MoELayer) -> None:
+        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
+        if isinstance(parent.experts, OffloadedSwitchExperts):
+            parent.experts = layer.module
+
+
+register_arch(SwitchArch())

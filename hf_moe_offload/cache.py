@@ -1,0 +1,172 @@
+"""`ExpertCache`: a fixed number of device slots (the byte budget), LRU or LFU eviction, and pins so an expert that
+is loading or computing is never evicted.
+
+`fetch(layer, experts)` yields `(expert, slab)` with the experts already resident first; the missing ones are
+loaded asynchronously meanwhile, as many at once as there are slots free of pins, and yielded as they arrive.
+A slot's pin is dropped when the consumer moves on to the next expert, so a batch that needs more experts than
+the cache holds still runs, in waves.
+
+When the store already lives in the compute device's memory (CPU store, CPU device), there is nothing to move:
+the cache hands out the store's slabs directly ("zero-copy") and allocates no slots.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter, OrderedDict
+from typing import Iterator, Sequence
+
+import torch
+
+from .copy_engine import make_copy_engine
+from .stats import OffloadStats
+from .store import ExpertStore
+
+logger = logging.getLogger(__name__)
+
+Key = tuple[int, int]   # (layer, expert)
+
+
+class ExpertCache:
+    """Device-resident experts within a byte budget.
+
+    Example:
+        >>> cache = ExpertCache(store, torch.device("cpu"), budget_bytes=2**28, eviction="lru", stats=stats)  # doctest: +SKIP
+        >>> for expert, slab in cache.fetch(layer=0, experts=[1, 5]): ...                                      # doctest: +SKIP
+    """
+
+    def __init__(self, store: ExpertStore, device: torch.device, budget_bytes: int, eviction: str,
+                 stats: OffloadStats):
+        self.store, self.device, self.eviction, self.stats = store, device, eviction, stats
+        self.zero_copy = device.type == "cpu" and store.host_slab(0, 0) is not None
+        self.slot_numel = max(lay.numel for lay in store.layouts)
+        self.slot_bytes = self.slot_numel * store.dtype.itemsize
+        self.num_slots = 0 if self.zero_copy else budget_bytes // self.slot_bytes
+        self.slots = torch.empty(self.num_slots, self.slot_numel, dtype=store.dtype, device=device)
+        self.copy = None if self.zero_copy else make_copy_engine(store, device)
+        self.where: dict[Key, int] = {}                          # resident or loading key -> slot
+        self.owner: list[Key | None] = [None] * self.num_slots
+        self.release: list[object | None] = [None] * self.num_slots   # compute-done markers (CUDA events)
+        self.pins: Counter[Key] = Counter()
+        self.loading: dict[Key, object] = {}                     # key -> load handle
+        self.recency: OrderedDict[Key, None] = OrderedDict()     # least recently used first
+        self.frequency: Counter[Key] = Counter()
+
+    # -- public -------------------------------------------------------------------------------------------------
+
+    def fetch(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (expert, flat slab on the device) for each expert, resident ones first."""
+        numel = self.store.layouts[layer].numel
+        if self.zero_copy:
+            for e in experts:
+                self.stats.record_hit(layer)
+                yield e, self.store.host_slab(layer, e)
+            return
+        keys = [(layer, e) for e in experts]
+        resident = [k for k in keys if k in self.where and k not in self.loading]
+        missing = [k for k in keys if k not in resident]
+        for k in resident:
+            self.stats.record_hit(layer)
+            self._pin(k)
+        issued: list[Key] = []
+        try:
+            self._issue(missing, issued)
+            for k in resident:
+                yield k[1], self.slots[self.where[k]][:numel]
+                self._unpin(k)
+                self._issue(missing, issued)
+            for i in range(len(missing)):
+                if i >= len(issued):      # every slot was pinned by earlier loads: now some are free
+                    self._issue(missing, issued)
+                    if i >= len(issued):
+                        raise RuntimeError(f"expert cache has no free slot for layer {layer} "
+                                           f"({self.num_slots} slots, all pinned)")
+                k = issued[i]
+                self._wait(k)
+                yield k[1], self.slots[self.where[k]][:numel]
+                self._unpin(k)
+                self._issue(missing, issued)
+        finally:
+            # An exception mid-layer: let in-flight loads land, drop our pins; the cache stays consistent.
+            for k in issued:
+                if k in self.loading:
+                    self._wait(k)
+            for k in keys:
+                while self.pins[k] > 0:
+                    self._unpin(k)
+
+    def resident_bytes(self) -> int:
+        return len(self.where) * self.slot_bytes
+
+    def close(self) -> None:
+        if self.copy is not None:
+            for k in list(self.loading):
+                self._wait(k)
+            self.copy.close()
+        self.slots = torch.empty(0)
+        self.where.clear()
+
+    # -- internals ----------------------------------------------------------------------------------------------
+
+    def _issue(self, missing: list[Key], issued: list[Key]) -> None:
+        """Start loads for the next missing experts while a slot can be freed without touching a pin."""
+        while len(issued) < len(missing):
+            k = missing[len(issued)]
+            if k in self.where:                   # arrived meanwhile (already loading, e.g. by a prefetch)
+                self.stats.record_hit(k[0])
+                self._pin(k)
+                issued.append(k)
+                continue
+            slot = self._free_slot()
+            if slot is None:
+                return
+            self.where[k] = slot
+            self.owner[slot] = k
+            self._pin(k)
+            self.loading[k] = self.copy.load(k[0], k[1], self.slots[slot], after=self.release[slot])
+            self.stats.record_miss(k[0], self.store.slab_bytes(k[0]))
+            self.stats.set_resident(self.resident_bytes())
+            issued.append(k)
+
+    def _free_slot(self) -> int | None:
+        for slot, owner in enumerate(self.owner):
+            if owner is None:
+                return slot
+        victim = self._victim()
+        if victim is None:
+            return None
+        slot = self.where.pop(victim)
+        self.owner[slot] = None
+        self.recency.pop(victim, None)
+        self.stats.record_eviction(victim[0])
+        return slot
+
+    def _victim(self) -> Key | None:
+        candidates = [k for k in self.recency if self.pins[k] == 0]
+        if not candidates:
+            return None
+        if self.eviction == "lfu":   # least frequently used; the least recent among equals (list is in LRU order)
+            return min(candidates, key=lambda k: self.frequency[k])
+        return candidates[0]
+
+    def _wait(self, key: Key) -> None:
+        handle = self.loading.pop(key, None)
+        if handle is not None:
+            start = time.perf_counter()
+            handle.wait()
+            self.stats.record_stall(key[0], time.perf_counter() - start)
+
+    def _pin(self, key: Key) -> None:
+        self.pins[key] += 1
+        self.frequency[key] += 1
+        self.recency[key] = None
+        self.recency.move_to_end(key)
+
+    def _unpin(self, key: Key) -> None:
+        self.pins[key] -= 1
+        if self.pins[key] <= 0:
+            del self.pins[key]
+            slot = self.where.get(key)
+            if slot is not None and self.copy is not None:
+                self.release[slot] = self.copy.release_marker(self.device)

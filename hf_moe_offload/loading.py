@@ -1,0 +1,185 @@
+"""Build offloaded models: `from_pretrained(..., offload_policy=...)`, `enable(model, policy)`, `disable(model)`.
+
+Loading keeps transformers' own path for the non-expert weights (key renames, conversions, dtype handling): the
+model is loaded with a device map that sends every experts module to `meta`, so no expert is ever materialised by
+transformers, and accelerate's dispatch (which would offload the rest too) is skipped for that one call. Expert
+bytes then come straight from the checkpoint files, one expert at a time, into the store.
+
+Every check that can fail (policy, architecture, checkpoint shards, device, cache budget) runs before anything
+is allocated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import AutoConfig, PreTrainedModel
+import transformers.modeling_utils as modeling_utils
+
+from .arch import MoEArch, MoELayer, get_arch
+from .auto import Footprint, resolve
+from .checkpoint import CheckpointIndex, resolve_checkpoint_dir
+from .engine import OffloadEngine, get_engine, move_resident_part
+from .policy import OffloadPolicy, PolicyError
+from .store import CpuStore, DiskStore
+
+_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "trust_remote_code", "subfolder")
+
+
+def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: Any, *model_args,
+                   original_from_pretrained, **kwargs) -> PreTrainedModel:
+    """`from_pretrained` with experts offloaded according to `policy` (see `hf_moe_offload.from_pretrained`)."""
+    policy = OffloadPolicy.from_any(policy)
+    for conflicting in ("device_map", "offload_folder", "max_memory"):
+        if kwargs.get(conflicting) is not None:
+            raise PolicyError(f"{conflicting}= cannot be combined with offload_policy: hf_moe_offload places the "
+                              f"model itself (use the policy's 'device' field)")
+    kwargs.pop("device_map", None)
+    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    root = resolve_checkpoint_dir(pretrained_model_name_or_path, **hub_kwargs)
+    config = kwargs.get("config")
+    if config is None or isinstance(config, str):
+        config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path, **hub_kwargs)
+    arch = get_arch(config)
+    index = CheckpointIndex.open(root)
+
+    skeleton = _meta_skeleton(model_cls, config, kwargs)
+    layers = arch.find_layers(skeleton)
+    pieces = [[arch.locate_expert(index, l.name, e, l.layout) for e in range(l.num_experts)] for l in layers]
+    dtype = _requested_dtype(kwargs, pieces)
+    resolved = resolve(policy, footprint(skeleton, layers, dtype))
+    device = torch.device(resolved.policy.device)
+
+    device_map = _device_map(skeleton, layers, device)
+    del skeleton
+    with _without_accelerate_dispatch():
+        model = original_from_pretrained(model_cls, pretrained_model_name_or_path, *model_args,
+                                         device_map=device_map, **kwargs)
+    layers = arch.find_layers(model)
+    dtype = next(layers[0].module.parameters()).dtype   # what transformers chose (meta tensors keep it)
+    reader = DiskStore(layers, pieces, dtype)
+    store = CpuStore.from_reader(reader, pin=device.type == "cuda") if resolved.policy.store == "cpu" else reader
+    OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes)
+    return model
+
+
+def enable(model: PreTrainedModel, policy: Any = "auto") -> PreTrainedModel:
+    """Offload the experts of a model that is already built; `disable(model)` puts everything back.
+
+    Example:
+        >>> model = AutoModelForCausalLM.from_pretrained(path)                        # doctest: +SKIP
+        >>> hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})           # doctest: +SKIP
+        >>> hf_moe_offload.disable(model)    # outputs bit-identical to before enable  # doctest: +SKIP
+    """
+    policy = OffloadPolicy.from_any(policy)
+    if get_engine(model) is not None:
+        raise PolicyError("this model is already offloaded by hf_moe_offload; call hf_moe_offload.disable(model) "
+                          "first to change its policy")
+    arch = get_arch(model.config)
+    layers = arch.find_layers(model)
+    expert_params = [p for l in layers for p in l.module.parameters()]
+    if any(p.device.type == "meta" for p in expert_params):
+        raise PolicyError("the model's experts are on the meta device (not loaded); load it with "
+                          "from_pretrained(..., offload_policy=...) instead")
+    dtype = expert_params[0].dtype
+    resolved = resolve(policy, footprint(model, layers, dtype))
+    device = torch.device(resolved.policy.device)
+    original_device = expert_params[0].device
+    pieces = None
+    if resolved.policy.store == "disk":
+        root = resolve_checkpoint_dir(model.name_or_path)
+        index = CheckpointIndex.open(root)
+        pieces = [[arch.locate_expert(index, l.name, e, l.layout) for e in range(l.num_experts)] for l in layers]
+
+    store = DiskStore(layers, pieces, dtype) if pieces is not None else \
+        CpuStore.from_modules(layers, arch, dtype, pin=device.type == "cuda")
+    resident_device = next((p.device for n, p in model.named_parameters() if p.device.type != "meta"
+                            and not any(n.startswith(l.name + ".") for l in layers)), device)
+    moved_from = None
+    if resident_device != device:
+        move_resident_part(model, layers, device)
+        moved_from = resident_device
+    OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes,
+                         restore_device=original_device, moved_resident_from=moved_from)
+    return model
+
+
+def disable(model: PreTrainedModel) -> PreTrainedModel:
+    """Detach everything hf_moe_offload attached and give the experts back to the model as parameters."""
+    engine = get_engine(model)
+    if engine is None:
+        raise PolicyError("this model is not offloaded by hf_moe_offload (nothing to disable)")
+    engine.detach()
+    return model
+
+
+def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype) -> Footprint:
+    """Byte sizes of the model at `dtype` (works on a meta skeleton: only shapes are read)."""
+    expert_ids = {id(p) for l in layers for p in l.module.parameters()}
+    resident = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids) * dtype.itemsize
+    slab = max(l.layout.numel for l in layers) * dtype.itemsize
+    experts = sum(l.layout.numel * l.num_experts for l in layers) * dtype.itemsize
+    return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k)
+
+
+def _meta_skeleton(model_cls: type, config, kwargs: dict) -> nn.Module:
+    """The model's module tree on the meta device (no memory), to read names and shapes."""
+    with torch.device("meta"):
+        if hasattr(model_cls, "_model_mapping"):       # an Auto class
+            return model_cls.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
+        return model_cls(config)
+
+
+def _requested_dtype(kwargs: dict, pieces) -> torch.dtype:
+    """The dtype the experts will have: the one asked for, else the checkpoint's (transformers' "auto")."""
+    requested = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if isinstance(requested, torch.dtype):
+        return requested
+    if isinstance(requested, str) and requested != "auto":
+        return getattr(torch, requested)
+    return pieces[0][0][0].source.dtype
+
+
+def _device_map(skeleton: nn.Module, layers: list[MoELayer], device: torch.device) -> dict[str, str]:
+    """Every module that owns tensors goes to `device`, every experts module to "meta" (not loaded)."""
+    expert_names = {l.name for l in layers}
+    device_map: dict[str, str] = {}
+    for name, module in skeleton.named_modules():
+        if name in expert_names or any(name.startswith(e + ".") for e in expert_names):
+            continue
+        if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) \
+                is not None:
+            device_map[name] = str(device)
+    device_map.update({name: "meta" for name in expert_names})
+    return device_map
+
+
+_dispatch_skipped = threading.local()
+
+
+@contextlib.contextmanager
+def _without_accelerate_dispatch():
+    """Skip transformers' accelerate dispatch for this thread's load only: with a device map that mixes a device and
+    "meta", dispatch would turn the resident part into offloaded hooks too. Nothing else changes."""
+    original = modeling_utils.accelerate_dispatch
+    if getattr(original, "_hf_moe_offload_wrapper", False):
+        original = original.__wrapped__
+
+    def dispatch(*args, **kwargs):
+        if getattr(_dispatch_skipped, "active", False):
+            return None
+        return original(*args, **kwargs)
+
+    dispatch._hf_moe_offload_wrapper = True
+    dispatch.__wrapped__ = original
+    modeling_utils.accelerate_dispatch = dispatch
+    _dispatch_skipped.active = True
+    try:
+        yield
+    finally:
+        _dispatch_skipped.active = False
+        modeling_utils.accelerate_dispatch = original

@@ -1,0 +1,60 @@
+"""The `offload_policy=` keyword of `from_pretrained`, on every transformers model class and Auto class.
+
+transformers has no registry for extra `from_pretrained` keywords, so `install()` wraps
+`PreTrainedModel.from_pretrained` once: without `offload_policy` the call goes to transformers untouched (the
+package is invisible); with it, the load goes through `hf_moe_offload.loading`. Auto classes forward unknown
+keywords to the model class, so they are covered too.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from transformers import PreTrainedModel
+
+from .loading import load_offloaded
+
+_ORIGINAL = PreTrainedModel.from_pretrained.__func__
+
+
+def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, offload_policy: Any = None, **kwargs):
+    if offload_policy is None:
+        return _ORIGINAL(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+    return load_offloaded(cls, pretrained_model_name_or_path, offload_policy, *model_args,
+                          original_from_pretrained=_ORIGINAL, **kwargs)
+
+
+def install() -> None:
+    """Add the `offload_policy` keyword to `PreTrainedModel.from_pretrained` (idempotent)."""
+    if getattr(PreTrainedModel.from_pretrained, "_hf_moe_offload", False):
+        return
+    wrapped = functools.wraps(_ORIGINAL)(_from_pretrained)
+    wrapped._hf_moe_offload = True
+    PreTrainedModel.from_pretrained = classmethod(wrapped)
+
+
+def uninstall() -> None:
+    """Restore transformers' own `from_pretrained`."""
+    PreTrainedModel.from_pretrained = classmethod(_ORIGINAL)
+
+
+def from_pretrained(pretrained_model_name_or_path, offload_policy: Any = "auto", *model_args,
+                    model_class: type | None = None, **kwargs) -> PreTrainedModel:
+    """Load a model with its experts offloaded, without relying on the keyword patch.
+
+    `model_class` defaults to `AutoModelForCausalLM`, or `AutoModelForSeq2SeqLM` for encoder-decoder configs.
+
+    Example:
+        >>> model = hf_moe_offload.from_pretrained(path, {"device": "cpu", "store": "disk", "expert_cache": "25%"})  # doctest: +SKIP
+    """
+    if model_class is None:
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+        config = kwargs.get("config") or AutoConfig.from_pretrained(pretrained_model_name_or_path)
+        model_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    if hasattr(model_class, "_model_mapping"):   # Auto class: let it pick the concrete class, then our loader runs
+        return model_class.from_pretrained(pretrained_model_name_or_path, *model_args,
+                                           offload_policy=offload_policy, **kwargs)
+    return load_offloaded(model_class, pretrained_model_name_or_path, offload_policy, *model_args,
+                          original_from_pretrained=_ORIGINAL, **kwargs)

@@ -1,0 +1,158 @@
+"""`OffloadPolicy`: what runs where, validated before anything is allocated.
+
+A policy is given as an `OffloadPolicy`, a dict of its fields, or a preset name (``"auto"``, ``"low-ram"``).
+Fields left at ``"auto"`` are resolved against the model and the machine by `hf_moe_offload.auto`.
+
+Example:
+    >>> from hf_moe_offload import OffloadPolicy
+    >>> OffloadPolicy.from_any({"device": "cpu", "store": "disk", "expert_cache": "512MiB"}).expert_cache
+    '512MiB'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+AUTO = "auto"
+STORES = ("cpu", "disk")
+EVICTIONS = ("lru", "lfu")
+
+# Preset name -> field overrides applied on top of the defaults (every default is "auto" or a safe choice).
+PRESETS: dict[str, dict[str, Any]] = {
+    "auto": {},
+    # Experts never all in host memory: read per expert from the checkpoint files.
+    "low-ram": {"store": "disk"},
+}
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+
+
+class PolicyError(ValueError):
+    """A policy key, name or value is not allowed; the message lists what is."""
+
+
+@dataclass
+class OffloadPolicy:
+    """Where the model's parts live and how experts move.
+
+    Example:
+        >>> p = OffloadPolicy(device="cpu", store="disk", expert_cache="1GiB", eviction="lfu")
+        >>> p.validate().eviction
+        'lfu'
+    """
+
+    device: str = field(
+        default=AUTO,
+        metadata={"help": 'Where non-expert weights live and compute runs: "cuda:N", "cpu" or "auto" '
+                          "(the first CUDA GPU, else the CPU)."},
+    )
+    store: str = field(
+        default=AUTO,
+        metadata={"help": '"cpu": experts in host memory (pinned when the device is CUDA); "disk": experts stay in '
+                          'the checkpoint\'s safetensors files and are read per expert on demand; "auto".'},
+    )
+    expert_cache: int | str = field(
+        default=AUTO,
+        metadata={"help": 'Device bytes for resident experts: an int, a size ("512MiB", "6GiB"), a share of all '
+                          'expert bytes ("25%"), or "auto" (device memory left after the resident part).'},
+    )
+    eviction: str = field(
+        default="lru",
+        metadata={"help": 'Which resident expert leaves when a slot is needed: "lru" or "lfu".'},
+    )
+
+    @classmethod
+    def from_any(cls, value: "OffloadPolicy | Mapping[str, Any] | str | None") -> "OffloadPolicy":
+        """Build a validated policy from a policy, a dict of fields, or a preset name."""
+        if value is None:
+            value = AUTO
+        if isinstance(value, OffloadPolicy):
+            return dataclasses.replace(value).validate()
+        if isinstance(value, str):
+            if value not in PRESETS:
+                raise PolicyError(f"unknown offload_policy preset {value!r}; allowed presets: {sorted(PRESETS)}, "
+                                  f"or a dict with keys {field_names()}, or an OffloadPolicy")
+            return cls(**PRESETS[value]).validate()
+        if isinstance(value, Mapping):
+            unknown = sorted(set(value) - set(field_names()))
+            if unknown:
+                raise PolicyError(f"unknown offload_policy key(s) {unknown}; allowed keys: {field_names()}")
+            return cls(**dict(value)).validate()
+        raise PolicyError(f"offload_policy must be an OffloadPolicy, a dict or a preset name {sorted(PRESETS)}, "
+                          f"not {type(value).__name__}")
+
+    def validate(self) -> "OffloadPolicy":
+        """Check every field's value (not yet against the machine or the model); return self."""
+        if self.device != AUTO:
+            self.device = str(normalize_device(self.device))
+        if self.store not in (AUTO, *STORES):
+            raise PolicyError(f"store={self.store!r} is not allowed; allowed: {[AUTO, *STORES]}")
+        if self.eviction not in EVICTIONS:
+            raise PolicyError(f"eviction={self.eviction!r} is not allowed; allowed: {list(EVICTIONS)}")
+        if self.expert_cache != AUTO:
+            parse_size(self.expert_cache, total=1)  # raises on a malformed size
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def field_names() -> list[str]:
+    return [f.name for f in dataclasses.fields(OffloadPolicy)]
+
+
+def normalize_device(device: str | int | torch.device) -> torch.device:
+    """Parse a device and check that it exists on this machine."""
+    try:
+        dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    except (RuntimeError, TypeError) as err:
+        raise PolicyError(f"device={device!r} is not a device; allowed: 'cpu', 'cuda:N' or 'auto'") from err
+    if dev.type == "cpu":
+        return torch.device("cpu")
+    if dev.type != "cuda":
+        raise PolicyError(f"device={device!r} is not supported; allowed: 'cpu', 'cuda:N' or 'auto'")
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = 0 if dev.index is None else dev.index
+    if index >= count:
+        have = f"cuda:0..cuda:{count - 1}" if count else "no CUDA device"
+        raise PolicyError(f"device={device!r} does not exist on this machine ({have}); allowed: 'cpu'"
+                          + (f", {have}" if count else "") + " or 'auto'")
+    return torch.device("cuda", index)
+
+
+def parse_size(value: int | str, total: int) -> int:
+    """Bytes from an int, "512MiB"/"6GiB"/"1.5GB", or a percentage of `total` ("25%")."""
+    if isinstance(value, bool):
+        raise PolicyError(f"expert_cache={value!r} is not a size")
+    if isinstance(value, int):
+        if value < 0:
+            raise PolicyError(f"expert_cache={value} must not be negative")
+        return value
+    if isinstance(value, str):
+        pct = _PERCENT_RE.match(value)
+        if pct:
+            return int(total * float(pct.group(1)) / 100)
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _UNITS:
+            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    raise PolicyError(f"expert_cache={value!r} is not a size; allowed: bytes as an int, a string such as "
+                      f"'512MiB', '6GiB', '1.5GB', a share of all expert bytes such as '25%', or 'auto'")
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GiB"

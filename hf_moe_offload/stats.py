@@ -1,0 +1,87 @@
+"""Counters of what moved and what hit, overall and per MoE layer.
+
+Example:
+    >>> s = OffloadStats(num_layers=2, capacity_bytes=1024)
+    >>> s.record_miss(0, nbytes=256); s.record_hit(1)
+    >>> snap = s.snapshot(); (snap["hits"], snap["misses"], snap["bytes_to_device"])
+    (1, 1, 256)
+    >>> snap.reset(); s.snapshot()["misses"]
+    0
+"""
+
+from __future__ import annotations
+
+import threading
+
+PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "experts_used")
+
+
+class StatsSnapshot(dict):
+    """A plain mapping of the counters at one moment, with `reset()` to zero the live counters."""
+
+    def __init__(self, data: dict, stats: "OffloadStats"):
+        super().__init__(data)
+        self._stats = stats
+
+    def reset(self) -> None:
+        self._stats.reset()
+
+
+class OffloadStats:
+    """Live counters, updated by the cache and the copy engine (thread-safe)."""
+
+    def __init__(self, num_layers: int, capacity_bytes: int):
+        self.num_layers = num_layers
+        self.capacity_bytes = capacity_bytes
+        self._lock = threading.Lock()
+        self.reset()
+        self.resident_bytes = 0
+
+    def reset(self) -> None:
+        with self._lock:
+            self.layer = {name: [0] * self.num_layers for name in PER_LAYER}
+            self.forward_calls = 0
+            self.peak_cache_bytes = getattr(self, "resident_bytes", 0)
+
+    def record_hit(self, layer: int) -> None:
+        with self._lock:
+            self.layer["hits"][layer] += 1
+
+    def record_miss(self, layer: int, nbytes: int) -> None:
+        with self._lock:
+            self.layer["misses"][layer] += 1
+            self.layer["bytes_to_device"][layer] += nbytes
+
+    def record_eviction(self, layer: int) -> None:
+        with self._lock:
+            self.layer["evictions"][layer] += 1
+
+    def record_stall(self, layer: int, seconds: float) -> None:
+        with self._lock:
+            self.layer["stall_s"][layer] += seconds
+
+    def record_forward(self, layer: int, experts_used: int) -> None:
+        with self._lock:
+            self.layer["experts_used"][layer] += experts_used
+            if layer == 0:
+                self.forward_calls += 1
+
+    def set_resident(self, nbytes: int) -> None:
+        with self._lock:
+            self.resident_bytes = nbytes
+            self.peak_cache_bytes = max(self.peak_cache_bytes, nbytes)
+
+    def snapshot(self) -> StatsSnapshot:
+        with self._lock:
+            totals = {name: sum(values) for name, values in self.layer.items()}
+            lookups = totals["hits"] + totals["misses"]
+            data = {
+                **totals,
+                "hit_rate": totals["hits"] / lookups if lookups else 0.0,
+                "forward_calls": self.forward_calls,
+                "resident_bytes": self.resident_bytes,
+                "peak_cache_bytes": self.peak_cache_bytes,
+                "cache_capacity_bytes": self.capacity_bytes,
+                "per_layer": [{name: self.layer[name][i] for name in PER_LAYER} for i in range(self.num_layers)],
+            }
+        return StatsSnapshot(data, self)

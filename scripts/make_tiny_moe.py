@@ -1,0 +1,504 @@
+#!/usr/bin/env python
+"""Build the tiny *trained* Mixtral model embedded in ``hf_moe_offload/demo_model/``.
+
+The package's offline demo needs a real (not random) mixture-of-experts
+checkpoint in the Hugging Face Hub layout, small enough to ship inside the
+wheel. This script produces one from text that is always available offline:
+CPython's ``pydoc_data.topics`` (the English reference-manual snippets used by
+``help()``).
+
+Steps:
+  1. Split the topics deterministically into training and HELD-OUT text
+     (by topic key, so no held-out sentence is ever trained on) and write the
+     held-out split to ``<out>/heldout.jsonl`` for later evaluation work.
+  2. Train a byte-level BPE tokenizer on the training text only.
+  3. Train a small ``MixtralForCausalLM`` (with router load-balancing aux loss)
+     with AdamW on random 128-token windows for a wall-clock or step budget.
+  4. Save model (bfloat16, per-expert ``block_sparse_moe.experts.{e}.w1``
+     keys), generation config, tokenizer, ``training_info.json`` and
+     ``README.md``; reload with the ``Auto*`` classes and greedy-generate.
+
+Example:
+    HF_HUB_OFFLINE=1 python scripts/make_tiny_moe.py \\
+        --out hf_moe_offload/demo_model --minutes 6 --seed 0
+
+With ``--minutes`` the step count is fixed after timing the first warm-up
+steps; ``training_info.json`` records it so ``--steps N`` repeats the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import random
+import shlex
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+# Everything this script needs is local; never let a library reach the network.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
+from tqdm.auto import tqdm  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    GenerationConfig,
+    MixtralConfig,
+    MixtralForCausalLM,
+    PreTrainedTokenizerFast,
+)
+
+log = logging.getLogger("make_tiny_moe")
+
+SPECIAL_TOKENS = {"unk": "<unk>", "bos": "<s>", "eos": "</s>", "pad": "<pad>"}
+SAMPLE_PROMPT = "The import statement"
+
+
+@dataclass
+class ModelShape:
+    """Architecture knobs; defaults keep the bf16 checkpoint around 4 MB."""
+
+    vocab_size: int = 2048
+    hidden_size: int = 128
+    # 96 (< hidden) rather than 128/256 purely to keep the shipped dir < 5 MB:
+    # expert weights dominate the parameter count (8 experts x 4 layers).
+    intermediate_size: int = 96
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    num_local_experts: int = 8
+    num_experts_per_tok: int = 2
+    max_position_embeddings: int = 512
+    router_aux_loss_coef: float = 0.02
+
+
+@dataclass
+class TrainSettings:
+    """Optimisation settings (recorded verbatim in training_info.json)."""
+
+    seq_len: int = 128
+    batch_size: int = 16
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 50
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    # Steps timed to turn a --minutes budget into a fixed step count. They lie
+    # inside warm-up, whose LR does not depend on the total, so the whole run is
+    # identical to a later ``--steps <recorded total>`` run.
+    calibration_steps: int = 20
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_topics() -> dict[str, str]:
+    """Return CPython's pydoc topic texts (always installed with the stdlib)."""
+    from pydoc_data.topics import topics
+
+    return {key: text.strip() for key, text in topics.items() if text.strip()}
+
+
+def split_topics(topics: dict[str, str], heldout_frac: float, seed: int) -> tuple[list[str], list[str]]:
+    """Split topic *keys* into (train, heldout) lists, deterministically.
+
+    Whole topics are held out (never a piece of one), so no held-out sentence is
+    trained on. Keys are sorted before a seeded shuffle, making the split
+    independent of dict order and of the training seed; topics are taken from
+    the shuffled order until they hold ``heldout_frac`` of all characters
+    (topic lengths vary 100x, so counting keys would give an erratic amount).
+    """
+    keys = sorted(topics)
+    random.Random(seed).shuffle(keys)
+    target = heldout_frac * sum(len(t) for t in topics.values())
+    heldout: list[str] = []
+    chars = 0
+    for key in keys:
+        if chars >= target:
+            break
+        heldout.append(key)
+        chars += len(topics[key])
+    train = [k for k in keys if k not in set(heldout)]
+    return sorted(train), sorted(heldout)
+
+
+def write_heldout(path: Path, topics: dict[str, str], keys: list[str]) -> None:
+    """Write held-out texts as JSON lines (``{"topic": ..., "text": ...}``)."""
+    with path.open("w", encoding="utf-8") as fh:
+        for key in keys:
+            fh.write(json.dumps({"topic": key, "text": topics[key]}, ensure_ascii=False) + "\n")
+
+
+# ---------------------------------------------------------------------- tokenizer
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE on ``texts`` and wrap it for ``transformers``.
+
+    Byte-level means any string (code samples, unicode) round-trips without
+    ``<unk>``. The post-processor prepends ``<s>`` like Llama/Mixtral tokenizers,
+    matching how training documents start.
+    """
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [SPECIAL_TOKENS[k] for k in ("unk", "bos", "eos", "pad")]  # ids 0..3
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    bos = SPECIAL_TOKENS["bos"]
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, tok.token_to_id(bos))]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=SPECIAL_TOKENS["bos"],
+        eos_token=SPECIAL_TOKENS["eos"],
+        pad_token=SPECIAL_TOKENS["pad"],
+        unk_token=SPECIAL_TOKENS["unk"],
+        padding_side="left",  # decoder-only batched generation needs left padding
+        model_max_length=ModelShape.max_position_embeddings,
+    )
+
+
+def encode_stream(tokenizer: PreTrainedTokenizerFast, texts: list[str]) -> torch.Tensor:
+    """Concatenate ``<s> text </s>`` for every text into one 1-D id tensor."""
+    ids: list[int] = []
+    for text in texts:
+        # verbose=False: documents are longer than model_max_length by design;
+        # they are cut into windows later, so the length warning is noise.
+        ids.extend(tokenizer(text, verbose=False)["input_ids"])  # starts with <s>
+        ids.append(tokenizer.eos_token_id)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def random_windows(stream: torch.Tensor, batch: int, seq_len: int, gen: torch.Generator) -> torch.Tensor:
+    """Sample ``batch`` random contiguous windows of ``seq_len`` tokens."""
+    starts = torch.randint(0, len(stream) - seq_len, (batch,), generator=gen)
+    return torch.stack([stream[s : s + seq_len] for s in starts.tolist()])
+
+
+def eval_windows(stream: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """Non-overlapping windows covering ``stream`` (tail shorter than a window dropped)."""
+    n = len(stream) // seq_len
+    return stream[: n * seq_len].view(n, seq_len)
+
+
+# -------------------------------------------------------------------------- model
+
+
+def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int) -> MixtralForCausalLM:
+    """Instantiate a randomly initialised Mixtral with ids taken from ``tokenizer``."""
+    config = MixtralConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=shape.hidden_size,
+        intermediate_size=shape.intermediate_size,
+        num_hidden_layers=shape.num_hidden_layers,
+        num_attention_heads=shape.num_attention_heads,
+        num_key_value_heads=shape.num_key_value_heads,
+        num_local_experts=shape.num_local_experts,
+        num_experts_per_tok=shape.num_experts_per_tok,
+        max_position_embeddings=shape.max_position_embeddings,
+        sliding_window=None,
+        tie_word_embeddings=False,
+        # The load-balancing loss keeps all experts in use (no collapse onto a
+        # couple of experts) while still letting routing specialise by token.
+        output_router_logits=True,
+        router_aux_loss_coef=shape.router_aux_loss_coef,
+        router_jitter_noise=0.0,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return MixtralForCausalLM(config)
+
+
+def lr_at(step: int, total: int, cfg: TrainSettings) -> float:
+    """Linear warm-up then cosine decay to ``min_lr_ratio * lr``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainSettings) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (not norms)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
+
+
+def train_step(
+    model: MixtralForCausalLM, opt: torch.optim.Optimizer, batch: torch.Tensor, lr: float, cfg: TrainSettings
+) -> tuple[float, float]:
+    """One optimisation step; returns (lm loss, router aux loss)."""
+    for group in opt.param_groups:
+        group["lr"] = lr
+    out = model(input_ids=batch, labels=batch)
+    out.loss.backward()  # out.loss already includes router_aux_loss_coef * aux_loss
+    torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    aux = out.aux_loss.item()
+    return out.loss.item() - model.config.router_aux_loss_coef * aux, aux
+
+
+def train(
+    model: MixtralForCausalLM,
+    stream: torch.Tensor,
+    cfg: TrainSettings,
+    seed: int,
+    steps: int | None,
+    minutes: float,
+) -> dict:
+    """Train for ``steps`` steps or (if None) as many as fit in ``minutes``.
+
+    Returns a dict with the step count, timing and a smoothed final loss.
+    """
+    model.train()
+    opt = make_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    budget_s = minutes * 60.0
+    total = steps if steps is not None else cfg.warmup_steps  # provisional until calibrated
+    losses: list[float] = []
+    start = time.perf_counter()
+    bar = tqdm(total=total, desc="train", dynamic_ncols=True, mininterval=2.0)
+    step = 0
+    while step < total:
+        batch = random_windows(stream, cfg.batch_size, cfg.seq_len, gen)
+        lm_loss, aux = train_step(model, opt, batch, lr_at(step, total, cfg), cfg)
+        losses.append(lm_loss)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{lm_loss:.3f}", aux=f"{aux:.3f}", lr=f"{lr_at(step - 1, total, cfg):.1e}")
+        if steps is None and step == cfg.calibration_steps:
+            per_step = (time.perf_counter() - start) / step
+            total = max(cfg.warmup_steps + 1, int(budget_s / per_step))
+            bar.total = total
+            bar.refresh()
+            log.info("%.3f s/step -> %d steps fit in %.1f min", per_step, total, minutes)
+        elif steps is None and time.perf_counter() - start > 1.5 * budget_s:
+            # Shared CPU got much slower than calibrated; stop rather than overrun badly.
+            log.warning("stopping early at step %d/%d: exceeded 1.5x time budget", step, total)
+            break
+    bar.close()
+    elapsed = time.perf_counter() - start
+    tail = losses[-min(50, len(losses)) :]
+    return {
+        "steps": step,
+        "planned_steps": total,
+        "train_seconds": round(elapsed, 1),
+        "final_train_loss": round(sum(tail) / len(tail), 4),
+        "final_train_loss_window": len(tail),
+        "tokens_seen": step * cfg.batch_size * cfg.seq_len,
+    }
+
+
+@torch.no_grad()
+def evaluate(model: MixtralForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> dict:
+    """Held-out perplexity plus per-layer expert load (fraction of top-k slots).
+
+    Perplexity is exp(mean token NLL) over every predicted token in ``windows``.
+    """
+    model.eval()
+    cfg = model.config
+    nll_sum, n_tok = 0.0, 0
+    load = torch.zeros(cfg.num_hidden_layers, cfg.num_local_experts)
+    for i in range(0, len(windows), batch_size):
+        batch = windows[i : i + batch_size]
+        out = model(input_ids=batch, labels=batch, output_router_logits=True)
+        n = batch.numel() - batch.shape[0]  # the first token of each window is not predicted
+        nll_sum += (out.loss - cfg.router_aux_loss_coef * out.aux_loss).item() * n
+        n_tok += n
+        for layer, logits in enumerate(out.router_logits):
+            top = logits.float().topk(cfg.num_experts_per_tok, dim=-1).indices.flatten()
+            load[layer] += torch.bincount(top, minlength=cfg.num_local_experts).float()
+    load = load / load.sum(dim=1, keepdim=True)
+    return {
+        "ppl": math.exp(nll_sum / n_tok),
+        "nll": nll_sum / n_tok,
+        "tokens": n_tok,
+        "expert_load": [[round(x, 4) for x in row] for row in load.tolist()],
+    }
+
+
+# --------------------------------------------------------------------------- save
+
+
+def save_checkpoint(model: MixtralForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
+    """Save model in bf16 Hub layout, generation config and tokenizer."""
+    model.eval()
+    # Like Hub Mixtral checkpoints, don't make every inference call return router
+    # logits; callers that want them pass output_router_logits=True.
+    model.config.output_router_logits = False
+    model.generation_config = GenerationConfig(
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        do_sample=False,
+    )
+    model.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+
+
+def write_model_card(out: Path, info: dict) -> None:
+    """Write a short README.md describing provenance and metrics."""
+    m, t = info["model"], info["training"]
+    text = f"""# hf_moe_offload demo model (tiny Mixtral)
+
+A tiny **trained** `MixtralForCausalLM` ({info["num_parameters"]:,} parameters,
+{m["num_hidden_layers"]} layers, {m["num_local_experts"]} experts/layer, top-{m["num_experts_per_tok"]},
+hidden {m["hidden_size"]}, expert FFN {m["intermediate_size"]}, vocab {m["vocab_size"]}) saved in bfloat16
+in the standard Hub layout (per-expert `block_sparse_moe.experts.{{e}}.w1/w2/w3` weights).
+It exists so the package's demo and tests run offline; it is not a useful language model.
+
+- Data: CPython `pydoc_data.topics` ({info["data"]["python_version"]}). Topics split by key:
+  {info["data"]["n_train_topics"]} train / {info["data"]["n_heldout_topics"]} held-out
+  (split seed {info["data"]["split_seed"]}). Held-out texts are in `heldout.jsonl`; they were
+  never used for the tokenizer or for training.
+- Tokenizer: byte-level BPE trained on the training split; `<s>` is prepended, left padding.
+- Training: AdamW, {t["steps"]} steps x {info["settings"]["batch_size"]} x {info["settings"]["seq_len"]} tokens,
+  router aux loss coef {m["router_aux_loss_coef"]}, seed {info["seed"]}, {t["train_seconds"]} s on CPU.
+- Final train loss {t["final_train_loss"]}; held-out perplexity {info["heldout"]["ppl_fp32"]:.2f}
+  (fp32) / {info["heldout"]["ppl_bf16_reloaded"]:.2f} (saved bf16 reloaded).
+
+Rebuild with:
+
+```
+{info["command"]}
+```
+
+(`--steps {t["steps"]}` instead of `--minutes` repeats the same schedule.)
+See `training_info.json` for all numbers, including per-layer expert load on held-out text.
+"""
+    (out / "README.md").write_text(text, encoding="utf-8")
+
+
+def dir_size_bytes(path: Path) -> int:
+    """Total size of regular files under ``path``."""
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+# ------------------------------------------------------------------------ verify
+
+
+def reload_and_generate(out: Path, prompt: str, max_new_tokens: int = 30) -> tuple[MixtralForCausalLM, str]:
+    """Reload from disk via the Auto classes and greedy-generate from ``prompt``."""
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out)
+    model.eval()
+    enc = tokenizer(prompt, return_tensors="pt")
+    with torch.no_grad():
+        ids = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False)
+    return model, tokenizer.decode(ids[0], skip_special_tokens=True)
+
+
+# -------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("hf_moe_offload/demo_model"), help="output directory")
+    p.add_argument("--minutes", type=float, default=6.0, help="wall-clock training budget (ignored with --steps)")
+    p.add_argument("--steps", type=int, default=None, help="exact number of training steps")
+    p.add_argument("--seed", type=int, default=0, help="seed for init and batch sampling")
+    p.add_argument("--split-seed", type=int, default=0, help="seed for the train/held-out topic split")
+    p.add_argument("--heldout-frac", type=float, default=0.1, help="fraction of characters held out (whole topics)")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--max-mb", type=float, default=5.0, help="warn if the output dir exceeds this size")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Build, train, save and verify the demo model."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shape, settings = ModelShape(), TrainSettings()
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    topics = load_topics()
+    train_keys, heldout_keys = split_topics(topics, args.heldout_frac, args.split_seed)
+    train_texts = [topics[k] for k in train_keys]
+    heldout_texts = [topics[k] for k in heldout_keys]
+    write_heldout(out / "heldout.jsonl", topics, heldout_keys)
+    log.info(
+        "topics: %d train (%d chars), %d held-out (%d chars): %s",
+        len(train_keys), sum(map(len, train_texts)), len(heldout_keys), sum(map(len, heldout_texts)), heldout_keys,
+    )
+
+    tokenizer = train_tokenizer(train_texts, shape.vocab_size)
+    train_stream = encode_stream(tokenizer, train_texts)
+    heldout_win = eval_windows(encode_stream(tokenizer, heldout_texts), settings.seq_len)
+    log.info("tokens: %d train, %d held-out windows of %d", len(train_stream), len(heldout_win), settings.seq_len)
+
+    model = build_model(shape, tokenizer, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model: %d parameters (%.2f MB in bf16)", n_params, n_params * 2 / 1e6)
+    log.info("random-init held-out ppl %.1f (vocab %d)", evaluate(model, heldout_win)["ppl"], len(tokenizer))
+
+    stats = train(model, train_stream, settings, args.seed, args.steps, args.minutes)
+    heldout = evaluate(model, heldout_win)
+    log.info("train loss %.4f | held-out ppl %.2f", stats["final_train_loss"], heldout["ppl"])
+
+    save_checkpoint(model, tokenizer, out)
+    reloaded, sample = reload_and_generate(out, SAMPLE_PROMPT)
+    heldout_bf16 = evaluate(reloaded, heldout_win)
+    log.info("reloaded bf16 held-out ppl %.2f", heldout_bf16["ppl"])
+
+    info = {
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv]),
+        "seed": args.seed,
+        "num_parameters": n_params,
+        "model": asdict(shape),
+        "settings": asdict(settings),
+        "training": stats,
+        "heldout": {
+            "ppl_fp32": round(heldout["ppl"], 3),
+            "ppl_bf16_reloaded": round(heldout_bf16["ppl"], 3),
+            "tokens": heldout["tokens"],
+            "expert_load_top2_fraction": heldout_bf16["expert_load"],
+        },
+        "data": {
+            "source": "pydoc_data.topics",
+            "python_version": sys.version.split()[0],
+            "split_seed": args.split_seed,
+            "n_train_topics": len(train_keys),
+            "n_heldout_topics": len(heldout_keys),
+            "heldout_topics": heldout_keys,
+            "train_tokens": len(train_stream),
+        },
+        "sample": {"prompt": SAMPLE_PROMPT, "greedy_30_tokens": sample},
+        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+    }
+    (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    write_model_card(out, info)
+
+    size_mb = dir_size_bytes(out) / 1e6
+    log.info("wrote %s (%.2f MB)", out, size_mb)
+    if size_mb > args.max_mb:
+        log.warning("output is %.2f MB > %.1f MB budget; shrink ModelShape", size_mb, args.max_mb)
+    print(f"\nSample ({SAMPLE_PROMPT!r}, greedy, 30 new tokens):\n{sample}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
