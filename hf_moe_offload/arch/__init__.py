@@ -135,6 +135,23 @@ class MoEArch(ABC):
         return pieces
 
 
+def alignment_offset(t: torch.Tensor) -> int:
+    """Where a CPU tensor starts within a 64-byte line. CPU matmul kernels pick their path by alignment, so a
+    restored parameter must start at the same offset to give bit-identical outputs (mmap'd weights often don't)."""
+    return t.data_ptr() % 64 if t.device.type == "cpu" else 0
+
+
+def empty_at_alignment(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, offset: int
+                       ) -> torch.Tensor:
+    """`torch.empty`, starting `offset` bytes past a 64-byte boundary (CPU only; elsewhere plain `empty`)."""
+    if device.type != "cpu" or offset == 0 or offset % dtype.itemsize:
+        return torch.empty(shape, dtype=dtype, device=device)
+    nbytes = _numel(shape) * dtype.itemsize
+    buf = torch.empty(nbytes + 64, dtype=torch.uint8)
+    start = (offset - buf.data_ptr()) % 64
+    return buf[start:start + nbytes].view(dtype).view(shape)
+
+
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
     for d in shape:

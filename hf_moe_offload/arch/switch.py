@@ -12,7 +12,8 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, CheckpointIndex
 from ..execute import OffloadedSwitchExperts
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, alignment_offset, checkpoint_key_candidates, \
+    empty_at_alignment, register_arch
 
 
 class SwitchArch(MoEArch):
@@ -42,16 +43,24 @@ class SwitchArch(MoEArch):
         return {"wi": mlp.wi.weight.data, "wo": mlp.wo.weight.data}
 
     def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
+        offsets = module.__dict__.pop("_hf_moe_offload_alignment", {})
         for e in range(module.num_experts):
-            mlp = module[f"expert_{e}"]
-            mlp.wi.weight = nn.Parameter(stacked["wi"][e].clone(), requires_grad=mlp.wi.weight.requires_grad)
-            mlp.wo.weight = nn.Parameter(stacked["wo"][e].clone(), requires_grad=mlp.wo.weight.requires_grad)
+            for part in ("wi", "wo"):
+                linear = getattr(module[f"expert_{e}"], part)
+                src = stacked[part][e]
+                weight = empty_at_alignment(src.shape, src.dtype, src.device, offsets.get((e, part), 0))
+                linear.weight = nn.Parameter(weight.copy_(src), requires_grad=linear.weight.requires_grad)
 
     def release_expert_params(self, module: nn.Module) -> None:
+        offsets = {}
         for e in range(module.num_experts):
-            for linear in (module[f"expert_{e}"].wi, module[f"expert_{e}"].wo):
+            for part in ("wi", "wo"):
+                linear = getattr(module[f"expert_{e}"], part)
                 w = linear.weight
+                if w.device.type != "meta":
+                    offsets[(e, part)] = alignment_offset(w)
                 linear.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=w.requires_grad)
+        module.__dict__.setdefault("_hf_moe_offload_alignment", offsets)
 
     def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
         parent = model.get_submodule(layer.name.rsplit(".", 1)[0])

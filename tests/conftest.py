@@ -1,0 +1,71 @@
+"""Tiny models of every supported family, built from configs with a fixed seed and saved in the Hub's checkpoint
+layout (`save_pretrained` default), so tests load them through the real loading path. No network."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest
+import torch
+from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, MixtralConfig, OlmoeConfig,
+                          Qwen2MoeConfig, Qwen3MoeConfig, SwitchTransformersConfig)
+
+import hf_moe_offload  # noqa: F401  (installs the offload_policy keyword)
+
+VOCAB = 96
+COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+              tie_word_embeddings=False)
+
+CONFIGS = {
+    "mixtral": lambda: MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=6, num_experts_per_tok=2),
+    "qwen2_moe": lambda: Qwen2MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=40,
+                                        shared_expert_intermediate_size=24, num_experts=6, num_experts_per_tok=2,
+                                        decoder_sparse_step=1, norm_topk_prob=False),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**COMMON, intermediate_size=48, moe_intermediate_size=40, head_dim=8,
+                                        num_experts=6, num_experts_per_tok=2, decoder_sparse_step=1),
+    "olmoe": lambda: OlmoeConfig(**COMMON, intermediate_size=40, num_experts=6, num_experts_per_tok=2),
+    "switch_transformers": lambda: SwitchTransformersConfig(
+        vocab_size=VOCAB, d_model=32, d_ff=48, d_kv=8, num_heads=4, num_layers=2, num_decoder_layers=2,
+        num_experts=4, encoder_sparse_step=1, decoder_sparse_step=1, expert_capacity=64, pad_token_id=0,
+        eos_token_id=2, decoder_start_token_id=0),
+}
+CAUSAL_FAMILIES = ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"]
+FAMILIES = CAUSAL_FAMILIES + ["switch_transformers"]
+
+
+def model_class(family: str):
+    return AutoModelForSeq2SeqLM if family == "switch_transformers" else AutoModelForCausalLM
+
+
+def build_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32, **save_kwargs) -> str:
+    """Build a tiny `family` model with random weights and save it in the Hub layout at `path`."""
+    torch.manual_seed(seed)
+    config = CONFIGS[family]()
+    model = model_class(family).from_config(config).to(dtype).eval()
+    # Larger router weights make routing decisive (random near-ties would make greedy tokens fragile).
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "router.classifier.weight")) and p.dim() == 2 and p.shape[0] <= 8:
+                p.mul_(8.0)
+    model.save_pretrained(path, **save_kwargs)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """family -> path of a saved tiny model (sharded, so several files are read)."""
+    root = tmp_path_factory.mktemp("tiny_models")
+    return {f: build_tiny(f, root / f, max_shard_size="100KB") for f in FAMILIES}
+
+
+def reference(family: str, path: str):
+    return model_class(family).from_pretrained(path).eval()
+
+
+def offloaded(family: str, path: str, **policy):
+    return model_class(family).from_pretrained(path, offload_policy=policy).eval()

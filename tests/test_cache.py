@@ -1,0 +1,124 @@
+"""The expert cache keeps its byte budget, evicts by LRU/LFU, never evicts an expert in use, and its stats add up."""
+
+from __future__ import annotations
+
+import torch
+
+import hf_moe_offload
+from hf_moe_offload.arch import SlabLayout
+from hf_moe_offload.cache import ExpertCache
+from hf_moe_offload.stats import OffloadStats
+from hf_moe_offload.store import CpuStore, ExpertStore
+from conftest import VOCAB, offloaded, reference
+
+
+class CountingStore(ExpertStore):
+    """A host store whose slab e is filled with the value e, that records every read (the copy source)."""
+
+    def __init__(self, num_experts=6, numel=16):
+        super().__init__([SlabLayout((("w", (numel,)),))], [num_experts], torch.float32)
+        self.reads: list[int] = []
+
+    def read_into(self, layer, expert, dst):
+        self.reads.append(expert)
+        dst[:16].fill_(float(expert))
+
+
+def _cache(slots: int, eviction: str = "lru") -> tuple[ExpertCache, CountingStore]:
+    store = CountingStore()
+    stats = OffloadStats(1, slots * 64)
+    return ExpertCache(store, torch.device("cpu"), slots * 64, eviction, stats), store
+
+
+def _run(cache: ExpertCache, experts: list[int]) -> list[int]:
+    seen = []
+    for e, slab in cache.fetch(0, experts):
+        assert torch.all(slab == e)          # the right bytes arrived before they are used
+        seen.append(e)
+    return seen
+
+
+def test_resident_experts_come_first_and_hits_are_counted():
+    cache, store = _cache(slots=3)
+    assert _run(cache, [0, 1]) == [0, 1]
+    assert _run(cache, [4, 1]) == [1, 4]     # 1 is resident: computed while 4 loads
+    snap = cache.stats.snapshot()
+    assert (snap["hits"], snap["misses"]) == (1, 3)
+    assert snap["bytes_to_device"] == 3 * 64 == len(store.reads) * 64
+
+
+def test_lru_evicts_least_recently_used():
+    cache, store = _cache(slots=2)
+    _run(cache, [0]); _run(cache, [1]); _run(cache, [0]); _run(cache, [2])   # 1 is the LRU one
+    assert set(k[1] for k in cache.where) == {0, 2}
+
+
+def test_lfu_evicts_least_frequently_used():
+    cache, store = _cache(slots=2, eviction="lfu")
+    _run(cache, [0]); _run(cache, [0]); _run(cache, [1]); _run(cache, [2])   # 1 was used once, 0 twice
+    assert set(k[1] for k in cache.where) == {0, 2}
+
+
+def test_more_experts_than_slots_runs_in_waves_without_evicting_pinned():
+    cache, store = _cache(slots=2)
+    assert sorted(_run(cache, [0, 1, 2, 3, 4, 5])) == [0, 1, 2, 3, 4, 5]
+    assert cache.resident_bytes() <= 2 * 64
+    assert cache.stats.snapshot()["peak_cache_bytes"] <= 2 * 64
+
+
+def test_an_expert_in_use_is_never_evicted():
+    cache, store = _cache(slots=2)
+    gen = cache.fetch(0, [0, 1, 2])
+    e, slab = next(gen)                        # expert 0 is being computed now
+    assert (0, 0) in cache.where and cache.pins[(0, 0)] == 1
+    assert torch.all(slab == 0)
+    rest = [e for e, _ in gen]
+    assert rest == [1, 2]
+
+
+def test_stats_reset():
+    cache, _ = _cache(slots=2)
+    _run(cache, [0, 1])
+    snap = cache.stats.snapshot()
+    snap.reset()
+    after = cache.stats.snapshot()
+    assert after["misses"] == 0 and after["bytes_to_device"] == 0
+
+
+def test_budget_held_at_every_forward_and_bytes_add_up(tiny_models):
+    path = tiny_models["mixtral"]
+    model = offloaded("mixtral", path, device="cpu", store="disk", expert_cache="34%", eviction="lru")
+    engine = hf_moe_offload.get_engine(model)
+    budget = engine.policy.expert_cache
+    observed = []
+    for layer in engine.layers:
+        layer.module.register_forward_hook(lambda *_: observed.append(engine.cache.resident_bytes()))
+    ids = torch.randint(3, VOCAB, (3, 9), generator=torch.Generator().manual_seed(0))
+    model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert observed and max(observed) <= budget
+    snap = hf_moe_offload.stats(model)
+    assert snap["peak_cache_bytes"] <= budget
+    slab_bytes = engine.store.slab_bytes(0)
+    assert snap["bytes_to_device"] == snap["misses"] * slab_bytes
+    assert snap["hits"] + snap["misses"] == snap["experts_used"]
+    assert sum(l["misses"] for l in snap["per_layer"]) == snap["misses"]
+    assert snap["evictions"] >= snap["misses"] - engine.cache.num_slots
+
+
+def test_cpu_store_on_cpu_device_moves_nothing(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="cpu")
+    model(torch.randint(3, VOCAB, (1, 6)))
+    snap = hf_moe_offload.stats(model)
+    assert snap["misses"] == 0 and snap["bytes_to_device"] == 0 and snap["hits"] > 0
+
+
+def test_cpu_store_holds_each_expert_in_one_contiguous_slab(tiny_models):
+    model = offloaded("olmoe", tiny_models["olmoe"], device="cpu", store="cpu")
+    store = hf_moe_offload.get_engine(model).store
+    assert isinstance(store, CpuStore)
+    for slabs in store.slabs:
+        assert slabs.is_contiguous() and slabs.dim() == 2
+    ref = reference("olmoe", tiny_models["olmoe"])
+    expected = torch.cat([ref.model.layers[1].mlp.experts.gate_up_proj[3].reshape(-1),
+                          ref.model.layers[1].mlp.experts.down_proj[3].reshape(-1)])
+    assert torch.equal(store.host_slab(1, 3), expected)

@@ -1,0 +1,65 @@
+"""`enable` offloads a model that is already built; `disable` restores it bit-identically; without the keyword
+transformers behaves as if the package were not imported."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_moe_offload
+from conftest import FAMILIES, VOCAB, model_class, reference
+
+
+def _forward(model, family, ids):
+    with torch.no_grad():
+        if family == "switch_transformers":
+            return model(input_ids=ids, decoder_input_ids=ids[:, :4]).logits
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_enable_then_disable_restores_bit_identical_outputs(tiny_models, family):
+    model = reference(family, tiny_models[family])
+    ids = torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(0))
+    before = _forward(model, family, ids)
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
+    engine = hf_moe_offload.get_engine(model)
+    assert all(p.device.type == "meta" for l in engine.layers for p in l.module.parameters())
+    torch.testing.assert_close(_forward(model, family, ids), before, rtol=1e-4, atol=1e-5)
+
+    hf_moe_offload.disable(model)
+    assert hf_moe_offload.get_engine(model) is None
+    assert torch.equal(_forward(model, family, ids), before)
+    state_after = model.state_dict()
+    assert state_after.keys() == state_before.keys()
+    assert all(torch.equal(state_after[k], v) for k, v in state_before.items())
+
+
+def test_enable_with_disk_store_reads_the_models_checkpoint(tiny_models):
+    model = reference("mixtral", tiny_models["mixtral"])
+    ids = torch.randint(3, VOCAB, (1, 7))
+    before = _forward(model, "mixtral", ids)
+    hf_moe_offload.enable(model, {"device": "cpu", "store": "disk", "expert_cache": "34%"})
+    torch.testing.assert_close(_forward(model, "mixtral", ids), before, rtol=1e-4, atol=1e-5)
+    assert hf_moe_offload.stats(model)["misses"] > 0
+    hf_moe_offload.disable(model)
+    assert torch.equal(_forward(model, "mixtral", ids), before)
+
+
+def test_enable_twice_and_disable_without_enable_are_refused(tiny_models):
+    model = reference("mixtral", tiny_models["mixtral"])
+    with pytest.raises(hf_moe_offload.PolicyError, match="not offloaded"):
+        hf_moe_offload.disable(model)
+    hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
+    with pytest.raises(hf_moe_offload.PolicyError, match="already offloaded"):
+        hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
+
+
+def test_without_the_keyword_transformers_is_untouched(tiny_models):
+    for family in FAMILIES:
+        model = model_class(family).from_pretrained(tiny_models[family])
+        assert hf_moe_offload.get_engine(model) is None
+        assert model.config._experts_implementation != "hf_moe_offload"
+        assert not any(p.device.type == "meta" for p in model.parameters())
