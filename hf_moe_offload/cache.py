@@ -32,8 +32,8 @@ class ExpertCache:
     """Device-resident experts within a byte budget.
 
     Example:
-        >>> cache = ExpertCache(store, torch.device("cpu"), budget_bytes=2**28, eviction="lru", stats=stats)  # doctest: +SKIP
-        >>> for expert, slab in cache.fetch(layer=0, experts=[1, 5]): ...                                      # doctest: +SKIP
+        >>> cache = ExpertCache(store, torch.device("cpu"), 2**28, "lru", stats)  # doctest: +SKIP
+        >>> for expert, slab in cache.fetch(layer=0, experts=[1, 5]): ...        # doctest: +SKIP
     """
 
     def __init__(self, store: ExpertStore, device: torch.device, budget_bytes: int, eviction: str,

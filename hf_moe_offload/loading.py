@@ -49,7 +49,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
 
     skeleton = _meta_skeleton(model_cls, config, kwargs)
     layers = arch.find_layers(skeleton)
-    pieces = [[arch.locate_expert(index, l.name, e, l.layout) for e in range(l.num_experts)] for l in layers]
+    pieces = _locate_experts(arch, index, layers)
     dtype = _requested_dtype(kwargs, pieces)
     resolved = resolve(policy, footprint(skeleton, layers, dtype))
     device = torch.device(resolved.policy.device)
@@ -81,7 +81,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto") -> PreTrainedModel:
                           "first to change its policy")
     arch = get_arch(model.config)
     layers = arch.find_layers(model)
-    expert_params = [p for l in layers for p in l.module.parameters()]
+    expert_params = [p for lay in layers for p in lay.module.parameters()]
     if any(p.device.type == "meta" for p in expert_params):
         raise PolicyError("the model's experts are on the meta device (not loaded); load it with "
                           "from_pretrained(..., offload_policy=...) instead")
@@ -93,12 +93,12 @@ def enable(model: PreTrainedModel, policy: Any = "auto") -> PreTrainedModel:
     if resolved.policy.store == "disk":
         root = resolve_checkpoint_dir(model.name_or_path)
         index = CheckpointIndex.open(root)
-        pieces = [[arch.locate_expert(index, l.name, e, l.layout) for e in range(l.num_experts)] for l in layers]
+        pieces = _locate_experts(arch, index, layers)
 
     store = DiskStore(layers, pieces, dtype) if pieces is not None else \
         CpuStore.from_modules(layers, arch, dtype, pin=device.type == "cuda")
     resident_device = next((p.device for n, p in model.named_parameters() if p.device.type != "meta"
-                            and not any(n.startswith(l.name + ".") for l in layers)), device)
+                            and not any(n.startswith(lay.name + ".") for lay in layers)), device)
     moved_from = None
     if resident_device != device:
         move_resident_part(model, layers, device)
@@ -119,11 +119,16 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
 
 def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype) -> Footprint:
     """Byte sizes of the model at `dtype` (works on a meta skeleton: only shapes are read)."""
-    expert_ids = {id(p) for l in layers for p in l.module.parameters()}
+    expert_ids = {id(p) for lay in layers for p in lay.module.parameters()}
     resident = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids) * dtype.itemsize
-    slab = max(l.layout.numel for l in layers) * dtype.itemsize
-    experts = sum(l.layout.numel * l.num_experts for l in layers) * dtype.itemsize
+    slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
+    experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k)
+
+
+def _locate_experts(arch: MoEArch, index: CheckpointIndex, layers: list[MoELayer]):
+    """`pieces[layer][expert]`: where every expert's bytes are; a missing tensor is reported here, before loading."""
+    return [[arch.locate_expert(index, lay.name, e, lay.layout) for e in range(lay.num_experts)] for lay in layers]
 
 
 def _meta_skeleton(model_cls: type, config, kwargs: dict) -> nn.Module:
@@ -146,7 +151,7 @@ def _requested_dtype(kwargs: dict, pieces) -> torch.dtype:
 
 def _device_map(skeleton: nn.Module, layers: list[MoELayer], device: torch.device) -> dict[str, str]:
     """Every module that owns tensors goes to `device`, every experts module to "meta" (not loaded)."""
-    expert_names = {l.name for l in layers}
+    expert_names = {lay.name for lay in layers}
     device_map: dict[str, str] = {}
     for name, module in skeleton.named_modules():
         if name in expert_names or any(name.startswith(e + ".") for e in expert_names):

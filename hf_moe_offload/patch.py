@@ -46,7 +46,8 @@ def from_pretrained(pretrained_model_name_or_path, offload_policy: Any = "auto",
     `model_class` defaults to `AutoModelForCausalLM`, or `AutoModelForSeq2SeqLM` for encoder-decoder configs.
 
     Example:
-        >>> model = hf_moe_offload.from_pretrained(path, {"device": "cpu", "store": "disk", "expert_cache": "25%"})  # doctest: +SKIP
+        >>> policy = {"device": "cpu", "store": "disk", "expert_cache": "25%"}
+        >>> model = hf_moe_offload.from_pretrained(path, policy)   # doctest: +SKIP
     """
     if model_class is None:
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM

@@ -53,7 +53,7 @@ class DiskStore(ExpertStore):
 
     def __init__(self, layers: Sequence[MoELayer], pieces: list[list[list[ExpertPiece]]], dtype: torch.dtype):
         """`pieces[layer][expert]`: where each expert's bytes are (`MoEArch.locate_expert`)."""
-        super().__init__([l.layout for l in layers], [l.num_experts for l in layers], dtype)
+        super().__init__([lay.layout for lay in layers], [lay.num_experts for lay in layers], dtype)
         self.pieces = pieces
         self.files = sorted({p.source.path for layer in self.pieces for exp in layer for p in exp})
         self._fds: dict[str, int] = {}
@@ -105,11 +105,11 @@ class CpuStore(ExpertStore):
     @classmethod
     def from_modules(cls, layers: Sequence[MoELayer], arch: MoEArch, dtype: torch.dtype, pin: bool) -> "CpuStore":
         """Copy the experts of a built model into host slabs."""
-        store = cls.allocate([l.layout for l in layers], [l.num_experts for l in layers], dtype, pin)
-        for l in layers:
-            for e in range(l.num_experts):
-                views = l.layout.views(store.slabs[l.index][e])
-                for part, tensor in arch.expert_tensors(l.module, e).items():
+        store = cls.allocate([lay.layout for lay in layers], [lay.num_experts for lay in layers], dtype, pin)
+        for lay in layers:
+            for e in range(lay.num_experts):
+                views = lay.layout.views(store.slabs[lay.index][e])
+                for part, tensor in arch.expert_tensors(lay.module, e).items():
                     views[part].copy_(tensor)
         return store
 

@@ -49,13 +49,15 @@ def test_resident_experts_come_first_and_hits_are_counted():
 
 def test_lru_evicts_least_recently_used():
     cache, store = _cache(slots=2)
-    _run(cache, [0]); _run(cache, [1]); _run(cache, [0]); _run(cache, [2])   # 1 is the LRU one
+    for experts in ([0], [1], [0], [2]):     # 1 is the least recently used when 2 arrives
+        _run(cache, experts)
     assert set(k[1] for k in cache.where) == {0, 2}
 
 
 def test_lfu_evicts_least_frequently_used():
     cache, store = _cache(slots=2, eviction="lfu")
-    _run(cache, [0]); _run(cache, [0]); _run(cache, [1]); _run(cache, [2])   # 1 was used once, 0 twice
+    for experts in ([0], [0], [1], [2]):     # 1 was used once, 0 twice
+        _run(cache, experts)
     assert set(k[1] for k in cache.where) == {0, 2}
 
 

@@ -8,7 +8,6 @@ import os
 import shutil
 
 import pytest
-import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 import transformers.modeling_utils as modeling_utils
 
