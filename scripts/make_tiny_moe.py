@@ -22,8 +22,10 @@ Example:
     HF_HUB_OFFLINE=1 python scripts/make_tiny_moe.py \\
         --out hf_moe_offload/demo_model --minutes 6 --seed 0
 
-With ``--minutes`` the step count is fixed after timing the first warm-up
-steps; ``training_info.json`` records it so ``--steps N`` repeats the run.
+With ``--minutes`` the LR schedule follows wall-clock progress (robust to a
+shared, fluctuating CPU), so the step count depends on machine speed and the
+run is not bit-reproducible; ``--steps N`` gives a step-based, deterministic
+schedule. ``training_info.json`` records the steps actually taken.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import random
 import shlex
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -45,8 +48,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
+from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     AutoTokenizer,
@@ -55,6 +62,7 @@ from transformers import (  # noqa: E402
     MixtralForCausalLM,
     PreTrainedTokenizerFast,
 )
+from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
 
 log = logging.getLogger("make_tiny_moe")
 
@@ -91,10 +99,6 @@ class TrainSettings:
     warmup_steps: int = 50
     weight_decay: float = 0.1
     grad_clip: float = 1.0
-    # Steps timed to turn a --minutes budget into a fixed step count. They lie
-    # inside warm-up, whose LR does not depend on the total, so the whole run is
-    # identical to a later ``--steps <recorded total>`` run.
-    calibration_steps: int = 20
 
 
 # --------------------------------------------------------------------------- data
@@ -126,8 +130,8 @@ def split_topics(topics: dict[str, str], heldout_frac: float, seed: int) -> tupl
             break
         heldout.append(key)
         chars += len(topics[key])
-    train = [k for k in keys if k not in set(heldout)]
-    return sorted(train), sorted(heldout)
+    held = set(heldout)
+    return sorted(k for k in keys if k not in held), sorted(heldout)
 
 
 def write_heldout(path: Path, topics: dict[str, str], keys: list[str]) -> None:
@@ -140,7 +144,7 @@ def write_heldout(path: Path, topics: dict[str, str], keys: list[str]) -> None:
 # ---------------------------------------------------------------------- tokenizer
 
 
-def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: list[str], vocab_size: int, max_length: int) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE on ``texts`` and wrap it for ``transformers``.
 
     Byte-level means any string (code samples, unicode) round-trips without
@@ -170,7 +174,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         pad_token=SPECIAL_TOKENS["pad"],
         unk_token=SPECIAL_TOKENS["unk"],
         padding_side="left",  # decoder-only batched generation needs left padding
-        model_max_length=ModelShape.max_position_embeddings,
+        model_max_length=max_length,
     )
 
 
@@ -214,9 +218,10 @@ def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int
         max_position_embeddings=shape.max_position_embeddings,
         sliding_window=None,
         tie_word_embeddings=False,
-        # The load-balancing loss keeps all experts in use (no collapse onto a
-        # couple of experts) while still letting routing specialise by token.
-        output_router_logits=True,
+        # Like Hub Mixtral checkpoints, inference does not return router logits
+        # by default; training asks for them explicitly (see forward_losses) to
+        # add the load-balancing loss weighted by router_aux_loss_coef.
+        output_router_logits=False,
         router_aux_loss_coef=shape.router_aux_loss_coef,
         router_jitter_noise=0.0,
         bos_token_id=tokenizer.bos_token_id,
@@ -227,13 +232,16 @@ def build_model(shape: ModelShape, tokenizer: PreTrainedTokenizerFast, seed: int
     return MixtralForCausalLM(config)
 
 
-def lr_at(step: int, total: int, cfg: TrainSettings) -> float:
-    """Linear warm-up then cosine decay to ``min_lr_ratio * lr``."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
+def lr_at(step: int, progress: float, cfg: TrainSettings) -> float:
+    """Linear warm-up (by step) times cosine decay (by progress in [0, 1]).
+
+    ``progress`` is step/steps for a step budget and elapsed/budget for a
+    wall-clock budget, so the schedule always completes its decay before the
+    run ends even when a shared CPU changes speed mid-run.
+    """
+    warm = min(1.0, (step + 1) / cfg.warmup_steps)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return cfg.lr * warm * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
 def make_optimizer(model: torch.nn.Module, cfg: TrainSettings) -> torch.optim.AdamW:
@@ -244,19 +252,45 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainSettings) -> torch.optim.Ad
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(0.9, 0.95))
 
 
+def lm_loss(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (windows are unpadded, so no masking)."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), input_ids[:, 1:].flatten())
+
+
+def router_balance_loss(router_logits: tuple[torch.Tensor, ...], num_experts: int, top_k: int) -> torch.Tensor:
+    """Switch/Mixtral load-balancing loss computed per layer, then averaged.
+
+    transformers' built-in ``aux_loss`` pools the router logits of all layers
+    before measuring balance, so a layer may starve an expert as long as
+    another layer over-uses it (we saw experts at 0% load in single layers).
+    Balancing each layer separately keeps every expert of every layer in use,
+    which is what an offloading demo and routing predictors should see.
+    A value of ``top_k`` corresponds to perfectly uniform routing.
+    """
+    per_layer = [load_balancing_loss_func((layer,), num_experts, top_k) for layer in router_logits]
+    return torch.stack(per_layer).mean()
+
+
+def forward_losses(model: MixtralForCausalLM, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """Return (lm loss, per-layer router balance loss, router logits) for ``batch``."""
+    cfg = model.config
+    out = model(input_ids=batch, output_router_logits=True)
+    aux = router_balance_loss(out.router_logits, cfg.num_local_experts, cfg.num_experts_per_tok)
+    return lm_loss(out.logits, batch), aux, out.router_logits
+
+
 def train_step(
     model: MixtralForCausalLM, opt: torch.optim.Optimizer, batch: torch.Tensor, lr: float, cfg: TrainSettings
 ) -> tuple[float, float]:
-    """One optimisation step; returns (lm loss, router aux loss)."""
+    """One optimisation step; returns (lm loss, router balance loss)."""
     for group in opt.param_groups:
         group["lr"] = lr
-    out = model(input_ids=batch, labels=batch)
-    out.loss.backward()  # out.loss already includes router_aux_loss_coef * aux_loss
+    loss, aux, _ = forward_losses(model, batch)
+    (loss + model.config.router_aux_loss_coef * aux).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
-    aux = out.aux_loss.item()
-    return out.loss.item() - model.config.router_aux_loss_coef * aux, aux
+    return loss.item(), aux.item()
 
 
 def train(
@@ -266,44 +300,42 @@ def train(
     seed: int,
     steps: int | None,
     minutes: float,
+    monitor: Callable[[], float] | None = None,
+    monitor_every: int = 0,
 ) -> dict:
-    """Train for ``steps`` steps or (if None) as many as fit in ``minutes``.
+    """Train for ``steps`` steps or, if None, until ``minutes`` have elapsed.
 
-    Returns a dict with the step count, timing and a smoothed final loss.
+    ``monitor`` (held-out ppl) is only logged, never used to stop or select,
+    so the held-out numbers stay an honest estimate.
+    Returns step count, timing and a smoothed final training loss.
     """
     model.train()
     opt = make_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(seed)
     budget_s = minutes * 60.0
-    total = steps if steps is not None else cfg.warmup_steps  # provisional until calibrated
     losses: list[float] = []
+    bar = tqdm(total=steps, desc="train", dynamic_ncols=True, mininterval=2.0)
     start = time.perf_counter()
-    bar = tqdm(total=total, desc="train", dynamic_ncols=True, mininterval=2.0)
     step = 0
-    while step < total:
-        batch = random_windows(stream, cfg.batch_size, cfg.seq_len, gen)
-        lm_loss, aux = train_step(model, opt, batch, lr_at(step, total, cfg), cfg)
-        losses.append(lm_loss)
+    while True:
+        elapsed = time.perf_counter() - start
+        progress = step / steps if steps is not None else elapsed / budget_s
+        if progress >= 1.0:
+            break
+        lr = lr_at(step, progress, cfg)
+        loss, aux = train_step(model, opt, random_windows(stream, cfg.batch_size, cfg.seq_len, gen), lr, cfg)
+        losses.append(loss)
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{lm_loss:.3f}", aux=f"{aux:.3f}", lr=f"{lr_at(step - 1, total, cfg):.1e}")
-        if steps is None and step == cfg.calibration_steps:
-            per_step = (time.perf_counter() - start) / step
-            total = max(cfg.warmup_steps + 1, int(budget_s / per_step))
-            bar.total = total
-            bar.refresh()
-            log.info("%.3f s/step -> %d steps fit in %.1f min", per_step, total, minutes)
-        elif steps is None and time.perf_counter() - start > 1.5 * budget_s:
-            # Shared CPU got much slower than calibrated; stop rather than overrun badly.
-            log.warning("stopping early at step %d/%d: exceeded 1.5x time budget", step, total)
-            break
+        bar.set_postfix(loss=f"{loss:.3f}", aux=f"{aux:.3f}", lr=f"{lr:.1e}")
+        if monitor is not None and monitor_every and step % monitor_every == 0:
+            log.info("step %d: train loss %.3f, held-out ppl %.2f (monitor only)", step, loss, monitor())
+            model.train()
     bar.close()
-    elapsed = time.perf_counter() - start
     tail = losses[-min(50, len(losses)) :]
     return {
         "steps": step,
-        "planned_steps": total,
-        "train_seconds": round(elapsed, 1),
+        "train_seconds": round(time.perf_counter() - start, 1),
         "final_train_loss": round(sum(tail) / len(tail), 4),
         "final_train_loss_window": len(tail),
         "tokens_seen": step * cfg.batch_size * cfg.seq_len,
@@ -312,29 +344,40 @@ def train(
 
 @torch.no_grad()
 def evaluate(model: MixtralForCausalLM, windows: torch.Tensor, batch_size: int = 16) -> dict:
-    """Held-out perplexity plus per-layer expert load (fraction of top-k slots).
+    """Held-out perplexity and routing statistics.
 
     Perplexity is exp(mean token NLL) over every predicted token in ``windows``.
+    ``expert_load``: per layer, fraction of top-k slots given to each expert
+    (uniform = 1/num_experts). ``router_entropy``: per layer, mean entropy of
+    the router softmax divided by log(num_experts) (1 = no preference; lower
+    = more decisive, i.e. specialised, routing).
     """
     model.eval()
     cfg = model.config
+    n_exp = cfg.num_local_experts
     nll_sum, n_tok = 0.0, 0
-    load = torch.zeros(cfg.num_hidden_layers, cfg.num_local_experts)
+    load = torch.zeros(cfg.num_hidden_layers, n_exp)
+    entropy = torch.zeros(cfg.num_hidden_layers)
+    n_routed = 0
     for i in range(0, len(windows), batch_size):
         batch = windows[i : i + batch_size]
-        out = model(input_ids=batch, labels=batch, output_router_logits=True)
+        loss, _, router_logits = forward_losses(model, batch)
         n = batch.numel() - batch.shape[0]  # the first token of each window is not predicted
-        nll_sum += (out.loss - cfg.router_aux_loss_coef * out.aux_loss).item() * n
+        nll_sum += loss.item() * n
         n_tok += n
-        for layer, logits in enumerate(out.router_logits):
-            top = logits.float().topk(cfg.num_experts_per_tok, dim=-1).indices.flatten()
-            load[layer] += torch.bincount(top, minlength=cfg.num_local_experts).float()
+        for layer, logits in enumerate(router_logits):
+            probs = logits.float().softmax(dim=-1)
+            top = probs.topk(cfg.num_experts_per_tok, dim=-1).indices.flatten()
+            load[layer] += torch.bincount(top, minlength=n_exp).float()
+            entropy[layer] += -(probs * probs.clamp_min(1e-12).log()).sum()
+        n_routed += batch.numel()
     load = load / load.sum(dim=1, keepdim=True)
     return {
         "ppl": math.exp(nll_sum / n_tok),
         "nll": nll_sum / n_tok,
         "tokens": n_tok,
         "expert_load": [[round(x, 4) for x in row] for row in load.tolist()],
+        "router_entropy": [round(x, 4) for x in (entropy / n_routed / math.log(n_exp)).tolist()],
     }
 
 
@@ -344,9 +387,6 @@ def evaluate(model: MixtralForCausalLM, windows: torch.Tensor, batch_size: int =
 def save_checkpoint(model: MixtralForCausalLM, tokenizer: PreTrainedTokenizerFast, out: Path) -> None:
     """Save model in bf16 Hub layout, generation config and tokenizer."""
     model.eval()
-    # Like Hub Mixtral checkpoints, don't make every inference call return router
-    # logits; callers that want them pass output_router_logits=True.
-    model.config.output_router_logits = False
     model.generation_config = GenerationConfig(
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -374,7 +414,8 @@ It exists so the package's demo and tests run offline; it is not a useful langua
   never used for the tokenizer or for training.
 - Tokenizer: byte-level BPE trained on the training split; `<s>` is prepended, left padding.
 - Training: AdamW, {t["steps"]} steps x {info["settings"]["batch_size"]} x {info["settings"]["seq_len"]} tokens,
-  router aux loss coef {m["router_aux_loss_coef"]}, seed {info["seed"]}, {t["train_seconds"]} s on CPU.
+  per-layer router load-balancing loss x {m["router_aux_loss_coef"]}, seed {info["seed"]},
+  {t["train_seconds"]} s on CPU.
 - Final train loss {t["final_train_loss"]}; held-out perplexity {info["heldout"]["ppl_fp32"]:.2f}
   (fp32) / {info["heldout"]["ppl_bf16_reloaded"]:.2f} (saved bf16 reloaded).
 
@@ -384,8 +425,9 @@ Rebuild with:
 {info["command"]}
 ```
 
-(`--steps {t["steps"]}` instead of `--minutes` repeats the same schedule.)
-See `training_info.json` for all numbers, including per-layer expert load on held-out text.
+(`--minutes` follows wall-clock time, so a rerun takes a different number of steps;
+use `--steps N` for a deterministic schedule.) See `training_info.json` for all numbers,
+including per-layer expert load and router entropy on the held-out text.
 """
     (out / "README.md").write_text(text, encoding="utf-8")
 
@@ -396,6 +438,27 @@ def dir_size_bytes(path: Path) -> int:
 
 
 # ------------------------------------------------------------------------ verify
+
+
+def check_hub_layout(out: Path, num_layers: int, num_experts: int) -> None:
+    """Assert the checkpoint uses Mixtral's per-expert Hub key names.
+
+    transformers 5 fuses experts into 3-D tensors in memory and converts back
+    on save; offloading code loads experts one by one from these keys, so fail
+    loudly if a transformers upgrade ever changes what is written.
+    """
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        keys = set(fh.keys())
+        dtypes = {fh.get_slice(k).get_dtype() for k in keys}
+    missing = [
+        f"model.layers.{layer}.block_sparse_moe.experts.{e}.{w}.weight"
+        for layer in range(num_layers)
+        for e in range(num_experts)
+        for w in ("w1", "w2", "w3")
+    ]
+    missing = [k for k in missing if k not in keys]
+    if missing or dtypes != {"BF16"}:
+        raise RuntimeError(f"unexpected checkpoint layout: missing {missing[:3]}..., dtypes {dtypes}")
 
 
 def reload_and_generate(out: Path, prompt: str, max_new_tokens: int = 30) -> tuple[MixtralForCausalLM, str]:
@@ -421,7 +484,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seed for init and batch sampling")
     p.add_argument("--split-seed", type=int, default=0, help="seed for the train/held-out topic split")
     p.add_argument("--heldout-frac", type=float, default=0.1, help="fraction of characters held out (whole topics)")
+    p.add_argument("--lr", type=float, default=TrainSettings.lr, help="peak AdamW learning rate")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    p.add_argument("--monitor-every", type=int, default=200, help="log held-out ppl every N steps (0: off)")
     p.add_argument("--max-mb", type=float, default=5.0, help="warn if the output dir exceeds this size")
     return p.parse_args(argv)
 
@@ -431,7 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
-    shape, settings = ModelShape(), TrainSettings()
+    shape, settings = ModelShape(), TrainSettings(lr=args.lr)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
 
@@ -445,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         len(train_keys), sum(map(len, train_texts)), len(heldout_keys), sum(map(len, heldout_texts)), heldout_keys,
     )
 
-    tokenizer = train_tokenizer(train_texts, shape.vocab_size)
+    tokenizer = train_tokenizer(train_texts, shape.vocab_size, shape.max_position_embeddings)
     train_stream = encode_stream(tokenizer, train_texts)
     heldout_win = eval_windows(encode_stream(tokenizer, heldout_texts), settings.seq_len)
     log.info("tokens: %d train, %d held-out windows of %d", len(train_stream), len(heldout_win), settings.seq_len)
@@ -455,11 +520,18 @@ def main(argv: list[str] | None = None) -> int:
     log.info("model: %d parameters (%.2f MB in bf16)", n_params, n_params * 2 / 1e6)
     log.info("random-init held-out ppl %.1f (vocab %d)", evaluate(model, heldout_win)["ppl"], len(tokenizer))
 
-    stats = train(model, train_stream, settings, args.seed, args.steps, args.minutes)
+    with logging_redirect_tqdm():  # keep log lines from tearing the progress bar
+        stats = train(
+            model, train_stream, settings, args.seed, args.steps, args.minutes,
+            monitor=lambda: evaluate(model, heldout_win)["ppl"], monitor_every=args.monitor_every,
+        )
     heldout = evaluate(model, heldout_win)
     log.info("train loss %.4f | held-out ppl %.2f", stats["final_train_loss"], heldout["ppl"])
+    log.info("held-out expert load per layer: %s", heldout["expert_load"])
+    log.info("held-out router entropy / log(E) per layer: %s", heldout["router_entropy"])
 
     save_checkpoint(model, tokenizer, out)
+    check_hub_layout(out, shape.num_hidden_layers, shape.num_local_experts)
     reloaded, sample = reload_and_generate(out, SAMPLE_PROMPT)
     heldout_bf16 = evaluate(reloaded, heldout_win)
     log.info("reloaded bf16 held-out ppl %.2f", heldout_bf16["ppl"])
@@ -476,6 +548,7 @@ def main(argv: list[str] | None = None) -> int:
             "ppl_bf16_reloaded": round(heldout_bf16["ppl"], 3),
             "tokens": heldout["tokens"],
             "expert_load_top2_fraction": heldout_bf16["expert_load"],
+            "router_entropy_normalised": heldout_bf16["router_entropy"],
         },
         "data": {
             "source": "pydoc_data.topics",
@@ -487,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
             "train_tokens": len(train_stream),
         },
         "sample": {"prompt": SAMPLE_PROMPT, "greedy_30_tokens": sample},
-        "versions": {"torch": torch.__version__, "transformers": __import__("transformers").__version__},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
     }
     (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
     write_model_card(out, info)

@@ -103,7 +103,7 @@ def test_budget_held_at_every_forward_and_bytes_add_up(tiny_models):
     slab_bytes = engine.store.slab_bytes(0)
     assert snap["bytes_to_device"] == snap["misses"] * slab_bytes
     assert snap["hits"] + snap["misses"] == snap["experts_used"]
-    assert sum(l["misses"] for l in snap["per_layer"]) == snap["misses"]
+    assert sum(layer["misses"] for layer in snap["per_layer"]) == snap["misses"]
     assert snap["evictions"] >= snap["misses"] - engine.cache.num_slots
 
 

@@ -26,7 +26,7 @@ def test_enable_then_disable_restores_bit_identical_outputs(tiny_models, family)
 
     hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
     engine = hf_moe_offload.get_engine(model)
-    assert all(p.device.type == "meta" for l in engine.layers for p in l.module.parameters())
+    assert all(p.device.type == "meta" for layer in engine.layers for p in layer.module.parameters())
     torch.testing.assert_close(_forward(model, family, ids), before, rtol=1e-4, atol=1e-5)
 
     hf_moe_offload.disable(model)
