@@ -103,6 +103,25 @@ class MoEArch(ABC):
     @abstractmethod
     def detach(self, model: nn.Module, layer: MoELayer) -> None: ...
 
+    # -- routing: what prefetchers and predictors hook into ----------------------------------------------------
+
+    @abstractmethod
+    def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
+        """The module that routes tokens to `layer`'s experts (a forward hook on it sees every decision)."""
+
+    @abstractmethod
+    def router_logits(self, output) -> torch.Tensor:
+        """Router logits [tokens, E] from the router module's forward output."""
+
+    @abstractmethod
+    def routing_from_logits(self, router: nn.Module, logits: torch.Tensor, output):
+        """A replacement for the router's forward `output` in which `logits` [tokens, E] decide, computed the way
+        the router computes its own (softmax, top-k, renormalisation): used by predicted routing."""
+
+    def routes_input_ids(self, layer: MoELayer) -> bool:
+        """Whether `layer` routes the tokens of the model's `input_ids` (not, e.g., an encoder-decoder's decoder)."""
+        return True
+
     def find_layers(self, model: nn.Module) -> list[MoELayer]:
         layers = []
         for name, module in model.named_modules():

@@ -99,6 +99,19 @@ class FusedExpertsArch(MoEArch):
             setattr(module, pname, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
         module.__dict__.setdefault("_hf_moe_offload_alignment", offsets)
 
+    def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
+        return model.get_submodule(layer.name.rsplit(".", 1)[0]).gate
+
+    def router_logits(self, output) -> torch.Tensor:
+        return output[0]                                            # (router_logits [T, E], scores, indices)
+
+    def routing_from_logits(self, router: nn.Module, logits: torch.Tensor, output):
+        probs = torch.softmax(logits.float(), dim=-1)               # [T, E]
+        top_value, top_index = torch.topk(probs, router.top_k, dim=-1)   # [T, k]
+        if getattr(router, "norm_topk_prob", True):                 # Mixtral always renormalises
+            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+        return logits.to(output[0].dtype), top_value.to(output[1].dtype), top_index
+
     def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
         layer.module._hf_moe_offload = runtime
         if not hasattr(model, _PREVIOUS_IMPL):

@@ -62,6 +62,24 @@ class SwitchArch(MoEArch):
                 linear.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=w.requires_grad)
         module.__dict__.setdefault("_hf_moe_offload_alignment", offsets)
 
+    def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
+        return model.get_submodule(layer.name.rsplit(".", 1)[0]).router
+
+    def router_logits(self, output) -> torch.Tensor:
+        logits = output[2]                                          # (expert_index, router_probs, logits [B,S,E])
+        return logits.reshape(-1, logits.shape[-1])
+
+    def routing_from_logits(self, router: nn.Module, logits: torch.Tensor, output):
+        expert_index, router_probs, router_logits = output
+        probs = torch.softmax(logits.float(), dim=-1)               # [T, E]
+        top = probs.argmax(dim=-1)                                  # [T]; capacity is not enforced on predictions
+        one_hot = torch.nn.functional.one_hot(top, num_classes=logits.shape[-1]).to(expert_index.dtype)
+        return (one_hot.view(expert_index.shape), probs.max(dim=-1).values.to(router_probs.dtype).view(
+            router_probs.shape), logits.to(router_logits.dtype).view(router_logits.shape))
+
+    def routes_input_ids(self, layer: MoELayer) -> bool:
+        return layer.name.startswith("encoder.")                    # the decoder routes the generated tokens
+
     def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
         parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
         parent.experts = OffloadedSwitchExperts(layer.module, runtime)
