@@ -33,7 +33,7 @@ def stats(model) -> StatsSnapshot:
     engine = get_engine(model)
     if engine is None:
         raise PolicyError("this model is not offloaded by hf_moe_offload (no stats)")
-    return engine.stats.snapshot()
+    return engine.stats_snapshot()
 
 
 install()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter, OrderedDict
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
@@ -52,18 +52,30 @@ class ExpertCache:
         self.loading: dict[Key, object] = {}                     # key -> load handle
         self.recency: OrderedDict[Key, None] = OrderedDict()     # least recently used first
         self.frequency: Counter[Key] = Counter()
+        self.prefetched: set[Key] = set()                        # brought in by a prefetch, not used yet
 
     # -- public -------------------------------------------------------------------------------------------------
 
-    def fetch(self, layer: int, experts: Sequence[int]) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield (expert, flat slab on the device) for each expert, resident ones first."""
+    def fetch(self, layer: int, experts: Sequence[int], on_pinned: Callable[[], None] | None = None
+              ) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (expert, flat slab on the device) for each expert, resident ones first.
+
+        `on_pinned` runs once this layer's experts are pinned and their loads issued: the moment to prefetch for
+        later layers without evicting anything this layer needs.
+        """
         numel = self.store.layouts[layer].numel
         if self.zero_copy:
+            if on_pinned is not None:
+                on_pinned()
             for e in experts:
                 self.stats.record_hit(layer)
                 yield e, self.store.host_slab(layer, e)
             return
         keys = [(layer, e) for e in experts]
+        for k in keys:
+            if k in self.prefetched:
+                self.prefetched.discard(k)
+                self.stats.record_prefetch_hit(layer)
         resident = [k for k in keys if k in self.where and k not in self.loading]
         missing = [k for k in keys if k not in resident]
         for k in resident:
@@ -72,6 +84,8 @@ class ExpertCache:
         issued: list[Key] = []
         try:
             self._issue(missing, issued)
+            if on_pinned is not None:
+                on_pinned()
             for k in resident:
                 yield k[1], self.slots[self.where[k]][:numel]
                 self._unpin(k)
@@ -95,6 +109,29 @@ class ExpertCache:
             for k in keys:
                 while self.pins[k] > 0:
                     self._unpin(k)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
+        """Start loading `experts` of `layer` ahead of need, into free slots or slots whose expert is neither in
+        use, nor in flight, nor itself prefetched and unused. Never exceeds the budget. Returns loads started."""
+        if self.zero_copy:
+            return 0
+        started = 0
+        for e in experts:
+            k = (layer, e)
+            if k in self.where:
+                continue
+            slot = self._free_slot(for_prefetch=True)
+            if slot is None:
+                break
+            self.where[k] = slot
+            self.owner[slot] = k
+            self.recency[k] = None
+            self.prefetched.add(k)
+            self.loading[k] = self.copy.load(layer, e, self.slots[slot], after=self.release[slot])
+            self.stats.record_prefetch(layer, self.store.slab_bytes(layer))
+            started += 1
+        self.stats.set_resident(self.resident_bytes())
+        return started
 
     def resident_bytes(self) -> int:
         return len(self.where) * self.slot_bytes
@@ -129,21 +166,37 @@ class ExpertCache:
             self.stats.set_resident(self.resident_bytes())
             issued.append(k)
 
-    def _free_slot(self) -> int | None:
+    def _free_slot(self, for_prefetch: bool = False) -> int | None:
         for slot, owner in enumerate(self.owner):
             if owner is None:
                 return slot
-        victim = self._victim()
+        self._reap_finished_loads()
+        victim = self._victim(for_prefetch)
+        if victim is None and not for_prefetch:
+            # Demand beats prefetch: let an unused prefetch still in flight land, then it may be evicted.
+            in_flight = [k for k in self.loading if self.pins[k] == 0]
+            if in_flight:
+                self._wait(in_flight[0])
+                victim = self._victim()
         if victim is None:
             return None
         slot = self.where.pop(victim)
         self.owner[slot] = None
         self.recency.pop(victim, None)
         self.stats.record_eviction(victim[0])
+        if victim in self.prefetched:
+            self.prefetched.discard(victim)
+            self.stats.record_prefetch_wasted(victim[0])
         return slot
 
-    def _victim(self) -> Key | None:
-        candidates = [k for k in self.recency if self.pins[k] == 0]
+    def _reap_finished_loads(self) -> None:
+        """Prefetched loads that nobody waited for yet: once landed, their slots are ordinary residents."""
+        for k in [k for k, handle in self.loading.items() if self.pins[k] == 0 and handle.done()]:
+            self.loading.pop(k).wait()   # surfaces a failed read; no blocking, the load is done
+
+    def _victim(self, for_prefetch: bool = False) -> Key | None:
+        candidates = [k for k in self.recency if self.pins[k] == 0 and k not in self.loading
+                      and not (for_prefetch and k in self.prefetched)]
         if not candidates:
             return None
         if self.eviction == "lfu":   # least frequently used; the least recent among equals (list is in LRU order)

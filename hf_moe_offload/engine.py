@@ -30,7 +30,9 @@ class LayerRuntime:
     def fetch(self, experts: Sequence[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
         """Yield (expert, named weight views on the device), resident experts first."""
         self.engine.stats.record_forward(self.layer.index, len(experts))
-        for expert, slab in self.engine.cache.fetch(self.layer.index, experts):
+        prefetcher = self.engine.prefetcher
+        on_pinned = prefetcher.on_layer(self.layer.index) if prefetcher is not None else None
+        for expert, slab in self.engine.cache.fetch(self.layer.index, experts, on_pinned):
             yield expert, self.layer.layout.views(slab)
 
 
@@ -50,6 +52,7 @@ class OffloadEngine:
         self.restore_device = restore_device            # where experts go back on detach
         self.moved_resident_from = moved_resident_from  # where the non-expert part was before enable(), if moved
         self.runtimes = [LayerRuntime(self, layer) for layer in layers]
+        self.prefetcher = None    # a HashPrefetcher when the policy names a predictor
 
     @classmethod
     def attach(cls, model: nn.Module, policy: OffloadPolicy, arch: MoEArch, layers: list[MoELayer],
@@ -68,8 +71,23 @@ class OffloadEngine:
                     policy.device, policy.store, cache.num_slots, ", zero-copy" if cache.zero_copy else "")
         return engine
 
+    def attach_predictor(self, predictor: nn.Module) -> None:
+        from .prefetch.hash_runner import HashPrefetcher
+
+        self.prefetcher = HashPrefetcher(self, predictor, routing=self.policy.routing)
+
+    def stats_snapshot(self):
+        snap = self.stats.snapshot()
+        if self.prefetcher is not None:
+            snap["predictor_s"] = self.prefetcher.predict_s
+            snap["predictor_wait_s"] = self.prefetcher.wait_s
+        return snap
+
     def detach(self) -> None:
         """Give the experts back to the model as parameters and remove everything attached."""
+        if self.prefetcher is not None:
+            self.prefetcher.detach()
+            self.prefetcher = None
         for layer in self.layers:
             self.arch.detach(self.model, layer)
             self.arch.set_expert_params(layer.module, self._stacked_experts(layer))

@@ -21,6 +21,8 @@ import torch
 AUTO = "auto"
 STORES = ("cpu", "disk")
 EVICTIONS = ("lru", "lfu")
+PREFETCHERS = ("none", "hash")
+ROUTINGS = ("router", "predicted")
 
 # Preset name -> field overrides applied on top of the defaults (every default is "auto" or a safe choice).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -71,6 +73,21 @@ class OffloadPolicy:
         default="lru",
         metadata={"help": 'Which resident expert leaves when a slot is needed: "lru" or "lfu".'},
     )
+    prefetch: str = field(
+        default="none",
+        metadata={"help": '"none", or "hash": a SiDA hash predictor (see `predictor`) names each layer\'s experts '
+                          "before the forward reaches it, and they are loaded ahead. Exact: the router still decides."},
+    )
+    predictor: str | None = field(
+        default=None,
+        metadata={"help": "Directory of a predictor trained by scripts/train_hash.py (needed by prefetch='hash' "
+                          "and routing='predicted')."},
+    )
+    routing: str = field(
+        default="router",
+        metadata={"help": '"router" (exact), or "predicted": SiDA\'s serving mode, the predictor\'s experts and '
+                          "scale factors replace the router (approximate, opt-in)."},
+    )
 
     @classmethod
     def from_any(cls, value: "OffloadPolicy | Mapping[str, Any] | str | None") -> "OffloadPolicy":
@@ -102,6 +119,16 @@ class OffloadPolicy:
             raise PolicyError(f"eviction={self.eviction!r} is not allowed; allowed: {list(EVICTIONS)}")
         if self.expert_cache != AUTO:
             parse_size(self.expert_cache, total=1)  # raises on a malformed size
+        if self.prefetch not in PREFETCHERS:
+            raise PolicyError(f"prefetch={self.prefetch!r} is not allowed; allowed: {list(PREFETCHERS)}")
+        if self.routing not in ROUTINGS:
+            raise PolicyError(f"routing={self.routing!r} is not allowed; allowed: {list(ROUTINGS)}")
+        needs_predictor = [f"{name}={value!r}" for name, value in (("prefetch", self.prefetch),
+                                                                  ("routing", self.routing))
+                           if value in ("hash", "predicted")]
+        if needs_predictor and not self.predictor:
+            raise PolicyError(f"{' and '.join(needs_predictor)} needs a predictor: set predictor='<directory "
+                              f"written by scripts/train_hash.py>'")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import threading
 
-PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "experts_used")
+PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "experts_used",
+             "prefetch_issued", "prefetch_hits", "prefetch_wasted")
 
 
 class StatsSnapshot(dict):
@@ -51,6 +52,19 @@ class OffloadStats:
         with self._lock:
             self.layer["misses"][layer] += 1
             self.layer["bytes_to_device"][layer] += nbytes
+
+    def record_prefetch(self, layer: int, nbytes: int) -> None:
+        with self._lock:
+            self.layer["prefetch_issued"][layer] += 1
+            self.layer["bytes_to_device"][layer] += nbytes
+
+    def record_prefetch_hit(self, layer: int) -> None:
+        with self._lock:
+            self.layer["prefetch_hits"][layer] += 1
+
+    def record_prefetch_wasted(self, layer: int) -> None:
+        with self._lock:
+            self.layer["prefetch_wasted"][layer] += 1
 
     def record_eviction(self, layer: int) -> None:
         with self._lock:

@@ -124,3 +124,48 @@ def test_cpu_store_holds_each_expert_in_one_contiguous_slab(tiny_models):
     expected = torch.cat([ref.model.layers[1].mlp.experts.gate_up_proj[3].reshape(-1),
                           ref.model.layers[1].mlp.experts.down_proj[3].reshape(-1)])
     assert torch.equal(store.host_slab(1, 3), expected)
+
+
+def test_prefetch_fills_free_slots_and_turns_misses_into_hits():
+    cache, store = _cache(slots=3)
+    assert cache.prefetch(0, [2, 4]) == 2
+    assert _run(cache, [4, 1]) == [4, 1]       # 4 arrived by prefetch, 1 on demand
+    snap = cache.stats.snapshot()
+    assert (snap["hits"], snap["misses"], snap["prefetch_issued"], snap["prefetch_hits"]) == (1, 1, 2, 1)
+    assert snap["bytes_to_device"] == (snap["misses"] + snap["prefetch_issued"]) * 64
+    assert cache.resident_bytes() <= 3 * 64
+
+
+def test_prefetch_never_evicts_an_expert_in_use_nor_breaks_the_budget():
+    cache, store = _cache(slots=2)
+    gen = cache.fetch(0, [0, 1])
+    next(gen)                                 # 0 and 1 are pinned now (0 computing, 1 loading)
+    assert cache.prefetch(0, [5]) == 0        # no slot can be taken
+    assert {k[1] for k in cache.where} == {0, 1}
+    list(gen)
+    assert cache.prefetch(0, [5]) == 1        # now an unpinned slot can go
+    assert cache.resident_bytes() <= 2 * 64
+
+
+def test_prefetch_does_not_evict_other_unused_prefetches_and_counts_waste():
+    cache, store = _cache(slots=2)
+    assert cache.prefetch(0, [3, 4, 5]) == 2  # the third would evict an unused prefetch: refused
+    _run(cache, [0, 1])                       # demand loads may evict them: counted as wasted
+    snap = cache.stats.snapshot()
+    assert snap["prefetch_wasted"] == 2 and snap["prefetch_hits"] == 0
+
+
+def test_on_pinned_runs_after_this_layers_experts_are_safe():
+    cache, store = _cache(slots=3)
+    _run(cache, [0, 1])
+    seen = []
+
+    def prefetch_next_layer():
+        seen.append(cache.prefetch(0, [4, 5]))   # may only take the one slot not pinned by [0, 1]
+
+    assert _run_with(cache, [0, 1], prefetch_next_layer) == [0, 1]
+    assert seen == [1]
+
+
+def _run_with(cache, experts, on_pinned):
+    return [e for e, _ in cache.fetch(0, experts, on_pinned=on_pinned)]
