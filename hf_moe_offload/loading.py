@@ -52,6 +52,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     pieces = _locate_experts(arch, index, layers)
     dtype = _requested_dtype(kwargs, pieces)
     resolved = resolve(policy, footprint(skeleton, layers, dtype))
+    predictor = _load_predictor(policy, skeleton)
     device = torch.device(resolved.policy.device)
 
     device_map = _device_map(skeleton, layers, device)
@@ -63,7 +64,9 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     dtype = next(layers[0].module.parameters()).dtype   # what transformers chose (meta tensors keep it)
     reader = DiskStore(layers, pieces, dtype)
     store = CpuStore.from_reader(reader, pin=device.type == "cuda") if resolved.policy.store == "cpu" else reader
-    OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes)
+    engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes)
+    if predictor is not None:
+        engine.attach_predictor(predictor)
     return model
 
 
@@ -87,6 +90,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto") -> PreTrainedModel:
                           "from_pretrained(..., offload_policy=...) instead")
     dtype = expert_params[0].dtype
     resolved = resolve(policy, footprint(model, layers, dtype))
+    predictor = _load_predictor(policy, model)
     device = torch.device(resolved.policy.device)
     original_device = expert_params[0].device
     pieces = None
@@ -103,8 +107,10 @@ def enable(model: PreTrainedModel, policy: Any = "auto") -> PreTrainedModel:
     if resident_device != device:
         move_resident_part(model, layers, device)
         moved_from = resident_device
-    OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes,
-                         restore_device=original_device, moved_resident_from=moved_from)
+    engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes,
+                                  restore_device=original_device, moved_resident_from=moved_from)
+    if predictor is not None:
+        engine.attach_predictor(predictor)
     return model
 
 
@@ -124,6 +130,15 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype) -> F
     slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
     experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k)
+
+
+def _load_predictor(policy: OffloadPolicy, model: nn.Module):
+    """The policy's hash predictor, its files and fingerprint checked against `model` (a skeleton will do)."""
+    if not policy.predictor:
+        return None
+    from .prefetch.hash_predictor import HashPredictor
+
+    return HashPredictor.load(policy.predictor, model=model, device="cpu")
 
 
 def _locate_experts(arch: MoEArch, index: CheckpointIndex, layers: list[MoELayer]):

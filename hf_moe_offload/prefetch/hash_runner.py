@@ -52,7 +52,8 @@ class HashPrefetcher:
         self.predictor.to(next(self.embeddings.parameters()).device).eval()
         self.stream = model.get_encoder() if model.config.is_encoder_decoder else model.get_decoder()
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_moe_offload_hash")
-        self._ids: torch.Tensor | None = None                # the sequences so far [B, L]
+        self._state = None                                   # a causal predictor's summary of the tokens so far
+        self._batch = 0
         self._pending: Future | None = None
         self._table: Prediction | None = None
         self.predict_s = 0.0
@@ -72,20 +73,25 @@ class HashPrefetcher:
             self._pending, self._table = None, None
             return
         past = kwargs.get("past_key_values")
-        new_sequence = past is None or past.get_seq_length() == 0 or self._ids is None \
-            or self._ids.shape[0] != ids.shape[0]
-        self._ids = ids if new_sequence else torch.cat([self._ids, ids], dim=1)
+        new_sequence = past is None or past.get_seq_length() == 0 or self._batch != ids.shape[0]
+        self._batch = ids.shape[0]
         mask = kwargs.get("attention_mask")
-        if mask is not None and (mask.dim() != 2 or mask.shape != self._ids.shape):
+        if mask is not None and (mask.dim() != 2 or mask.shape[0] != ids.shape[0] or mask.shape[1] < ids.shape[1]):
             mask = None                                      # e.g. a 4D mask: predict without padding info
+        new_mask = None if mask is None else mask[:, -ids.shape[1]:]   # the mask of the tokens in this pass
         self._table = None
-        self._pending = self._pool.submit(self._predict, self._ids, mask, ids.shape[1])
+        self._pending = self._pool.submit(self._predict, ids, new_mask, new_sequence)
 
     @torch.no_grad()
-    def _predict(self, ids: torch.Tensor, mask: torch.Tensor | None, new_tokens: int) -> Prediction:
+    def _predict(self, ids: torch.Tensor, mask: torch.Tensor | None, new_sequence: bool) -> Prediction:
+        """Runs on the hash-building thread; calls are serialised, so the causal state advances in order."""
         start = time.perf_counter()
-        logits = self.predictor(self.embeddings(ids), mask)  # [B, L, layers, E]
-        current = logits[:, -new_tokens:]                    # [B, n, layers, E]
+        embeddings = self.embeddings(ids).to(self.predictor.device)       # [B, n, H]
+        mask = None if mask is None else mask.to(self.predictor.device)
+        if self.predictor.config.causal:   # incremental: only the new tokens run through the LSTM
+            current, self._state = self.predictor.step(embeddings, mask, None if new_sequence else self._state)
+        else:                              # an encoder sees its whole input at once
+            current = self.predictor.predict(embeddings, mask)           # [B, n, layers, E]
         flat = current.reshape(-1, *current.shape[2:])        # [B*n, layers, E]
         top = flat.topk(self.top_k, dim=-1).indices          # [B*n, layers, k]
         experts = [torch.unique(top[:, i]).tolist() for i in range(top.shape[1])]
