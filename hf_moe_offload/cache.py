@@ -120,7 +120,7 @@ class ExpertCache:
             k = (layer, e)
             if k in self.where:
                 continue
-            slot = self._free_slot(for_prefetch=True)
+            slot = self._free_slot(layer, for_prefetch=True)
             if slot is None:
                 break
             self.where[k] = slot
@@ -155,7 +155,7 @@ class ExpertCache:
                 self._pin(k)
                 issued.append(k)
                 continue
-            slot = self._free_slot()
+            slot = self._free_slot(k[0])
             if slot is None:
                 return
             self.where[k] = slot
@@ -166,18 +166,18 @@ class ExpertCache:
             self.stats.set_resident(self.resident_bytes())
             issued.append(k)
 
-    def _free_slot(self, for_prefetch: bool = False) -> int | None:
+    def _free_slot(self, layer: int, for_prefetch: bool = False) -> int | None:
         for slot, owner in enumerate(self.owner):
             if owner is None:
                 return slot
         self._reap_finished_loads()
-        victim = self._victim(for_prefetch)
+        victim = self._victim(layer, for_prefetch)
         if victim is None and not for_prefetch:
             # Demand beats prefetch: let an unused prefetch still in flight land, then it may be evicted.
             in_flight = [k for k in self.loading if self.pins[k] == 0]
             if in_flight:
                 self._wait(in_flight[0])
-                victim = self._victim()
+                victim = self._victim(layer)
         if victim is None:
             return None
         slot = self.where.pop(victim)
@@ -194,13 +194,19 @@ class ExpertCache:
         for k in [k for k, handle in self.loading.items() if self.pins[k] == 0 and handle.done()]:
             self.loading.pop(k).wait()   # surfaces a failed read; no blocking, the load is done
 
-    def _victim(self, for_prefetch: bool = False) -> Key | None:
+    def _victim(self, layer: int, for_prefetch: bool = False) -> Key | None:
+        """Which unpinned, landed expert leaves to make room for one of `layer` (candidates are in LRU order)."""
         candidates = [k for k in self.recency if self.pins[k] == 0 and k not in self.loading
                       and not (for_prefetch and k in self.prefetched)]
         if not candidates:
             return None
-        if self.eviction == "lfu":   # least frequently used; the least recent among equals (list is in LRU order)
+        if self.eviction == "lfu":   # least frequently used; the least recent among equals
             return min(candidates, key=lambda k: self.frequency[k])
+        if self.eviction == "layer":
+            # Layers run in a cycle (decode), so the expert needed furthest in the future belongs to the layer that
+            # comes up last: this one (its next use is the next token), then the one before, ...; LRU among equals.
+            n = len(self.store.layouts)
+            return max(candidates, key=lambda k: (k[0] - layer - 1) % n)
         return candidates[0]
 
     def _wait(self, key: Key) -> None:

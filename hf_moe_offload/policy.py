@@ -20,7 +20,7 @@ import torch
 
 AUTO = "auto"
 STORES = ("cpu", "disk")
-EVICTIONS = ("lru", "lfu")
+EVICTIONS = ("lru", "lfu", "layer")
 PREFETCHERS = ("none", "hash")
 ROUTINGS = ("router", "predicted")
 
@@ -70,8 +70,9 @@ class OffloadPolicy:
                           'expert bytes ("25%"), or "auto" (device memory left after the resident part).'},
     )
     eviction: str = field(
-        default="lru",
-        metadata={"help": 'Which resident expert leaves when a slot is needed: "lru" or "lfu".'},
+        default="layer",
+        metadata={"help": 'Which resident expert leaves when a slot is needed: "lru", "lfu", or "layer" (the one '
+                          "whose layer comes up last in the forward order; best when decode cycles through layers)."},
     )
     prefetch: str = field(
         default="none",

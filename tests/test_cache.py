@@ -15,8 +15,8 @@ from conftest import VOCAB, offloaded, reference
 class CountingStore(ExpertStore):
     """A host store whose slab e is filled with the value e, that records every read (the copy source)."""
 
-    def __init__(self, num_experts=6, numel=16):
-        super().__init__([SlabLayout((("w", (numel,)),))], [num_experts], torch.float32)
+    def __init__(self, num_experts=6, numel=16, num_layers=1):
+        super().__init__([SlabLayout((("w", (numel,)),))] * num_layers, [num_experts] * num_layers, torch.float32)
         self.reads: list[int] = []
 
     def read_into(self, layer, expert, dst):
@@ -24,9 +24,9 @@ class CountingStore(ExpertStore):
         dst[:16].fill_(float(expert))
 
 
-def _cache(slots: int, eviction: str = "lru") -> tuple[ExpertCache, CountingStore]:
-    store = CountingStore()
-    stats = OffloadStats(1, slots * 64)
+def _cache(slots: int, eviction: str = "lru", num_layers: int = 1) -> tuple[ExpertCache, CountingStore]:
+    store = CountingStore(num_layers=num_layers)
+    stats = OffloadStats(num_layers, slots * 64)
     return ExpertCache(store, torch.device("cpu"), slots * 64, eviction, stats), store
 
 
@@ -59,6 +59,20 @@ def test_lfu_evicts_least_frequently_used():
     for experts in ([0], [0], [1], [2]):     # 1 was used once, 0 twice
         _run(cache, experts)
     assert set(k[1] for k in cache.where) == {0, 2}
+
+
+def test_layer_eviction_keeps_what_the_next_layers_need():
+    """Decode cycles 0,1,2,0,1,2,...: evict from the layer that comes up last, not the least recent one."""
+    cache, store = _cache(slots=3, eviction="layer", num_layers=3)
+    for layer in (0, 1, 2):
+        list(cache.fetch(layer, [0]))
+    list(cache.fetch(0, [1]))                  # needs a slot: layer 0's own idle expert is needed furthest ahead
+    assert set(cache.where) == {(0, 1), (1, 0), (2, 0)}
+    lru, _ = _cache(slots=3, eviction="lru", num_layers=3)
+    for layer in (0, 1, 2):
+        list(lru.fetch(layer, [0]))
+    list(lru.fetch(0, [1]))                    # LRU would evict layer 1's expert, needed right next
+    assert (1, 0) not in lru.where
 
 
 def test_more_experts_than_slots_runs_in_waves_without_evicting_pinned():
