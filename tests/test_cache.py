@@ -62,17 +62,16 @@ def test_lfu_evicts_least_frequently_used():
 
 
 def test_layer_eviction_keeps_what_the_next_layers_need():
-    """Decode cycles 0,1,2,0,1,2,...: evict from the layer that comes up last, not the least recent one."""
-    cache, store = _cache(slots=3, eviction="layer", num_layers=3)
-    for layer in (0, 1, 2):
-        list(cache.fetch(layer, [0]))
-    list(cache.fetch(0, [1]))                  # needs a slot: layer 0's own idle expert is needed furthest ahead
-    assert set(cache.where) == {(0, 1), (1, 0), (2, 0)}
-    lru, _ = _cache(slots=3, eviction="lru", num_layers=3)
-    for layer in (0, 1, 2):
-        list(lru.fetch(layer, [0]))
-    list(lru.fetch(0, [1]))                    # LRU would evict layer 1's expert, needed right next
-    assert (1, 0) not in lru.where
+    """Decode cycles 0,1,2,0,1,2,...: evict from the layer that comes up last, not the least recent expert."""
+    results = {}
+    for policy in ("layer", "lru"):
+        cache, _ = _cache(slots=3, eviction=policy, num_layers=3)
+        for layer in (0, 1, 2):
+            list(cache.fetch(layer, [0]))
+        list(cache.fetch(0, [0, 1]))           # (0, 0) is in use; one of layer 1's or layer 2's must go
+        results[policy] = set(cache.where)
+    assert results["layer"] == {(0, 0), (0, 1), (1, 0)}   # layer 2 comes up last: its expert leaves
+    assert results["lru"] == {(0, 0), (0, 1), (2, 0)}     # LRU evicts layer 1's, needed right next
 
 
 def test_more_experts_than_slots_runs_in_waves_without_evicting_pinned():
