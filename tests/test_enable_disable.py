@@ -63,3 +63,12 @@ def test_without_the_keyword_transformers_is_untouched(tiny_models):
         assert hf_moe_offload.get_engine(model) is None
         assert model.config._experts_implementation != "hf_moe_offload"
         assert not any(p.device.type == "meta" for p in model.parameters())
+
+
+def test_an_offloaded_model_still_lists_its_moe_layers(tiny_models):
+    from hf_moe_offload.arch import get_arch
+
+    model = reference("switch_transformers", tiny_models["switch_transformers"])
+    names = [layer.name for layer in get_arch(model.config).find_layers(model)]
+    hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
+    assert [layer.name for layer in get_arch(model.config).find_layers(model)] == names

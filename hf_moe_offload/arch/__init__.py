@@ -123,6 +123,9 @@ class MoEArch(ABC):
         return True
 
     def find_layers(self, model: nn.Module) -> list[MoELayer]:
+        engine = getattr(model, "_hf_moe_offload_engine", None)
+        if engine is not None:     # offloaded: some experts modules (Switch) are no longer in the module tree
+            return list(engine.layers)
         layers = []
         for name, module in model.named_modules():
             if not self.is_experts_module(module):

@@ -1,0 +1,1 @@
+"""Expert prefetching: SiDA-style hash predictors of routing, and their training."""
