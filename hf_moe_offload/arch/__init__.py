@@ -95,7 +95,7 @@ class MoEArch(ABC):
 
     @abstractmethod
     def release_expert_params(self, module: nn.Module) -> None:
-        """Replace the module's expert parameters with meta tensors (their bytes now live in the store)."""
+        """Release the module's expert parameters (`release_parameter`): their bytes now live in the store."""
 
     @abstractmethod
     def attach(self, model: nn.Module, layer: MoELayer, runtime: "LayerRuntime") -> None: ...
@@ -160,7 +160,7 @@ class MoEArch(ABC):
 def alignment_offset(t: torch.Tensor) -> int:
     """Where a CPU tensor starts within a 64-byte line. CPU matmul kernels pick their path by alignment, so a
     restored parameter must start at the same offset to give bit-identical outputs (mmap'd weights often don't)."""
-    return t.data_ptr() % 64 if t.device.type == "cpu" else 0
+    return t.data_ptr() % 64 if t.device.type == "cpu" else 0   # meta tensors: no address, offset 0
 
 
 def empty_at_alignment(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, offset: int
@@ -172,6 +172,28 @@ def empty_at_alignment(shape: tuple[int, ...], dtype: torch.dtype, device: torch
     buf = torch.empty(nbytes + 64, dtype=torch.uint8)
     start = (offset - buf.data_ptr()) % 64
     return buf[start:start + nbytes].view(dtype).view(shape)
+
+
+RELEASED_ATTR = "_hf_moe_offload_released"
+
+
+def release_parameter(module: nn.Module, name: str, key=None) -> None:
+    """Drop a parameter's memory: it becomes None (skipped by `.to()`, `state_dict()`, `parameters()`), and what
+    is needed to give it back (shape, dtype, requires_grad, alignment) is remembered on the module."""
+    p = getattr(module, name)
+    released = module.__dict__.setdefault(RELEASED_ATTR, {})
+    if p is not None:
+        released[key or name] = (tuple(p.shape), p.dtype, p.requires_grad, alignment_offset(p))
+    module.register_parameter(name, None)
+
+
+def restore_parameter(module: nn.Module, name: str, value: torch.Tensor, key=None) -> None:
+    """Give back a parameter released by `release_parameter`, with `value`'s contents, at its old alignment."""
+    _, _, requires_grad, offset = module.__dict__[RELEASED_ATTR].pop(key or name)
+    weight = empty_at_alignment(tuple(value.shape), value.dtype, value.device, offset).copy_(value)
+    module.register_parameter(name, nn.Parameter(weight, requires_grad=requires_grad))
+    if not module.__dict__[RELEASED_ATTR]:
+        del module.__dict__[RELEASED_ATTR]
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -13,8 +13,8 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, CheckpointIndex
 from ..execute import EXPERTS_IMPLEMENTATION
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, alignment_offset, \
-    checkpoint_key_candidates, empty_at_alignment, register_arch
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, checkpoint_key_candidates, \
+    register_arch, release_parameter, restore_parameter
 
 _PREVIOUS_IMPL = "_hf_moe_offload_previous_experts_implementation"
 
@@ -84,20 +84,12 @@ class FusedExpertsArch(MoEArch):
         return {"gate_up": module.gate_up_proj.data[expert], "down": module.down_proj.data[expert]}
 
     def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
-        offsets = module.__dict__.pop("_hf_moe_offload_alignment", {})
         for pname, part in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
-            src = stacked[part]
-            weight = empty_at_alignment(src.shape, src.dtype, src.device, offsets.get(pname, 0))
-            setattr(module, pname, nn.Parameter(weight.copy_(src), requires_grad=getattr(module, pname).requires_grad))
+            restore_parameter(module, pname, stacked[part])
 
     def release_expert_params(self, module: nn.Module) -> None:
-        offsets = {}
         for pname in ("gate_up_proj", "down_proj"):
-            p = getattr(module, pname)
-            if p.device.type != "meta":
-                offsets[pname] = alignment_offset(p)
-            setattr(module, pname, nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad))
-        module.__dict__.setdefault("_hf_moe_offload_alignment", offsets)
+            release_parameter(module, pname)
 
     def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
         return model.get_submodule(layer.name.rsplit(".", 1)[0]).gate

@@ -12,8 +12,8 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, CheckpointIndex
 from ..execute import OffloadedSwitchExperts
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, alignment_offset, checkpoint_key_candidates, \
-    empty_at_alignment, register_arch
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch, \
+    release_parameter, restore_parameter
 
 
 class SwitchArch(MoEArch):
@@ -43,24 +43,14 @@ class SwitchArch(MoEArch):
         return {"wi": mlp.wi.weight.data, "wo": mlp.wo.weight.data}
 
     def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
-        offsets = module.__dict__.pop("_hf_moe_offload_alignment", {})
         for e in range(module.num_experts):
             for part in ("wi", "wo"):
-                linear = getattr(module[f"expert_{e}"], part)
-                src = stacked[part][e]
-                weight = empty_at_alignment(src.shape, src.dtype, src.device, offsets.get((e, part), 0))
-                linear.weight = nn.Parameter(weight.copy_(src), requires_grad=linear.weight.requires_grad)
+                restore_parameter(getattr(module[f"expert_{e}"], part), "weight", stacked[part][e])
 
     def release_expert_params(self, module: nn.Module) -> None:
-        offsets = {}
         for e in range(module.num_experts):
             for part in ("wi", "wo"):
-                linear = getattr(module[f"expert_{e}"], part)
-                w = linear.weight
-                if w.device.type != "meta":
-                    offsets[(e, part)] = alignment_offset(w)
-                linear.weight = nn.Parameter(torch.empty_like(w, device="meta"), requires_grad=w.requires_grad)
-        module.__dict__.setdefault("_hf_moe_offload_alignment", offsets)
+                release_parameter(getattr(module[f"expert_{e}"], part), "weight")
 
     def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
         return model.get_submodule(layer.name.rsplit(".", 1)[0]).router
