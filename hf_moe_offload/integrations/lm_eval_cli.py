@@ -1,0 +1,115 @@
+"""``hf-moe-offload lm-eval ...``: lm-eval's own command line, with the ``hf-moe-offload`` model registered and the
+shipped tasks on the include path. Every lm-eval flag works as documented by lm-eval.
+
+What changes compared with ``lm-eval``:
+- the model ``hf-moe-offload`` exists, and is the default when ``--model`` is not given;
+- ``--model hf`` (or ``hf-auto``/``huggingface``) with ``offload_policy=...`` or ``offload_<field>=...`` in the
+  model arguments runs ``hf-moe-offload`` (lm-eval's ``hf`` model cannot load an offloaded model: it passes
+  ``device_map`` and moves the model with ``model.to(device)``);
+- ``--include_path`` gets the shipped tasks directory first (yours, ``os.pathsep``-separated, come after and win
+  on a name clash);
+- a bad offload policy ends with one line ``hf-moe-offload lm-eval: error: ...`` and exit status 2, before lm-eval
+  indexes its tasks or loads anything.
+
+Example:
+    $ hf-moe-offload lm-eval --model hf-moe-offload \\
+        --model_args pretrained=PATH,offload_policy=auto --tasks hfmo_pydoc_cloze,hfmo_arith --device cpu \\
+        --batch_size 16
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from collections.abc import Iterator, Sequence
+
+from ..arch import UnsupportedModelError
+from ..checkpoint import CheckpointError
+from ..policy import PolicyError
+from . import quiet_custom_dataset_hint, tasks_dir
+from .policy_args import POLICY_KEY, PREFIX, accepted_keys
+
+logger = logging.getLogger(__name__)
+
+PROG = "hf-moe-offload lm-eval"
+HF_NAMES = ("hf", "hf-auto", "huggingface")
+INSTALL_HINT = 'lm-eval is not installed: pip install "hf-moe-offload[lm-eval]"'
+
+
+def run_lm_eval(argv: Sequence[str]) -> int:
+    """Run lm-eval's CLI on `argv` (the arguments after ``lm-eval``); return the exit status."""
+    try:
+        from lm_eval._cli import HarnessCLI
+        from lm_eval.utils import setup_logging
+    except ImportError:
+        print(f"{PROG}: error: {INSTALL_HINT}", file=sys.stderr)
+        return 2
+    from .lm_eval_model import HFLM_ARGS, MODEL_NAME, split_model_args  # registers the model
+
+    argv = list(argv)
+    if argv in ([], ["-h"], ["--help"]):
+        print(f"{PROG}: lm-eval's CLI with the model {MODEL_NAME} (the default --model here) and the shipped tasks "
+              f"(--tasks hfmo) on the include path.\n{MODEL_NAME} model arguments: pretrained=PATH, the policy's "
+              f"{accepted_keys(HFLM_ARGS)}, lm-eval's HFLM arguments; the rest go to from_pretrained.\n"
+              "lm-eval's `run` options follow.\n")
+        argv = ["run", "--help"]
+    setup_logging()
+    _show_our_logs()
+    quiet_custom_dataset_hint()
+    try:
+        with _argv(["lm-eval", *argv]):
+            parser = HarnessCLI()
+            args = parser.parse_args()
+        _adjust(args, MODEL_NAME)
+        if getattr(args, "command", None) == "run" and args.model == MODEL_NAME:
+            split_model_args(args.model_args or {}, args.device)   # a bad policy fails now, not after indexing
+        parser.execute(args)
+    except (PolicyError, UnsupportedModelError, CheckpointError) as err:
+        print(f"{PROG}: error: {err}", file=sys.stderr)
+        return 2
+    except SystemExit as exit_:
+        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+    return 0
+
+
+def _adjust(args, model_name: str) -> None:
+    """Our model by default / for ``hf`` with offload arguments; the shipped tasks on the include path."""
+    if getattr(args, "command", None) == "run":
+        model_args = args.model_args if isinstance(args.model_args, dict) else {}
+        offload_keys = sorted(k for k in model_args if k == POLICY_KEY or (k.startswith(PREFIX)
+                                                                           and k != "offload_folder"))
+        if args.model is None:
+            args.model = model_name
+        elif args.model in HF_NAMES and offload_keys:
+            logger.info("--model %s with %s: running %s (lm-eval's hf model cannot load an offloaded model)",
+                        args.model, offload_keys, model_name)
+            args.model = model_name
+    if hasattr(args, "include_path"):
+        user = args.include_path
+        paths = [] if not user else user.split(os.pathsep) if isinstance(user, str) else list(user)
+        args.include_path = [str(tasks_dir()), *[p for p in paths if p]]
+
+
+def _show_our_logs() -> None:
+    """lm-eval configures only its own logger; show hf_moe_offload's INFO lines (the resolved policy) too."""
+    ours = logging.getLogger("hf_moe_offload")
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.INFO)
+    if not any(isinstance(h, logging.StreamHandler) for h in ours.handlers) and not logging.getLogger().handlers:
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [%(name)s] %(message)s",
+                                               datefmt="%Y-%m-%d:%H:%M:%S"))
+        ours.addHandler(handler)
+
+
+@contextlib.contextmanager
+def _argv(argv: list[str]) -> Iterator[None]:
+    """lm-eval's parser reads `sys.argv` (it inserts ``run`` when no subcommand is given)."""
+    saved = sys.argv
+    sys.argv = argv
+    try:
+        yield
+    finally:
+        sys.argv = saved

@@ -1,0 +1,300 @@
+"""Perplexity of a causal LM on a local text / JSON-lines dataset, with any offload policy (or none).
+
+Used to measure the quality of approximate offloading modes against the exact one: the same texts, windows and
+batches give the same perplexity as the unpatched model when the mode is exact.
+
+Command line (also `scripts/perplexity.py` with the same flags):
+
+    $ hf-moe-offload perplexity --model PATH --data heldout.jsonl --text-field text \\
+          --policy '{"device": "cpu", "store": "disk", "expert_cache": "25%"}' --out ppl.json
+    $ hf-moe-offload perplexity --model PATH --data heldout.jsonl --policy none     # the unpatched model
+
+Python:
+    >>> model, tok = load_model_and_tokenizer(path, "auto")                        # doctest: +SKIP
+    >>> compute_perplexity(model, tok, ["some text", "more text"]).perplexity      # doctest: +SKIP
+    123.4
+
+Method: each text is tokenized without special tokens, the BOS token is prepended (`add_bos`), and every token
+after the first is scored once, in windows of at most `max_length` tokens (default: the model's context, at most
+2048). Each window after the first scores `stride` new tokens (default `max_length - 1`, like lm-eval's rolling
+windows) with the `max_length - stride` tokens before them as context; a smaller stride gives more context per token
+and costs more forwards. Windows are batched with right padding (causal models: padding after a token never changes
+its logits). `perplexity` is the corpus value exp(total NLL / total scored tokens); `perplexities` are per text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_LENGTH = 2048
+NO_POLICY = ("none", "null", "off")
+
+
+class DataError(ValueError):
+    """The dataset file or field given to the perplexity command is missing or unusable."""
+
+
+@dataclass
+class PerplexityResult:
+    """Corpus and per-text perplexity of one model on one list of texts."""
+
+    perplexity: float                  # exp(total NLL / tokens)
+    nll: float                         # total negative log-likelihood (nats)
+    tokens: int                        # scored tokens
+    perplexities: list[float] = field(default_factory=list)   # per text (nan for a text with no scored token)
+    max_length: int = 0
+    stride: int = 0
+
+    @property
+    def mean_perplexity(self) -> float:
+        finite = [p for p in self.perplexities if not math.isnan(p)]
+        return sum(finite) / len(finite) if finite else float("nan")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "mean_perplexity": self.mean_perplexity}
+
+
+@dataclass(frozen=True)
+class _Window:
+    text: int                          # index of the text
+    ids: list[int]                     # input tokens
+    scored: int                        # how many of the last targets are scored
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """Where inputs go: the offload policy's device for an offloaded model, else the first parameter's."""
+    from ..engine import get_engine
+
+    engine = get_engine(model)
+    if engine is not None:
+        return torch.device(engine.policy.device)
+    return next(p.device for p in model.parameters() if p.device.type != "meta")
+
+
+def default_max_length(model: torch.nn.Module, tokenizer) -> int:
+    config = getattr(model, "config", None)
+    for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return min(value, DEFAULT_MAX_LENGTH)
+    limit = getattr(tokenizer, "model_max_length", None)
+    return limit if isinstance(limit, int) and 0 < limit < 10**6 else DEFAULT_MAX_LENGTH
+
+
+def windows(token_ids: Sequence[list[int]], max_length: int, stride: int) -> Iterator[_Window]:
+    """Split each text's tokens into windows of at most `max_length` tokens; every token after the first of a text
+    is scored exactly once. The first window scores all its tokens; each later window scores the next `stride`
+    tokens (fewer at the end) and fills the rest of its `max_length` with the tokens just before them as context,
+    so `stride` <= max_length - 1 keeps at least one token of context."""
+    if not 0 < stride < max_length:
+        raise ValueError(f"stride={stride} must be in 1..max_length-1={max_length - 1}")
+    for t, ids in enumerate(token_ids):
+        end = min(max_length, len(ids))
+        if end > 1:
+            yield _Window(t, ids[:end], end - 1)
+        scored_until = end
+        while scored_until < len(ids):
+            end = min(scored_until + stride, len(ids))
+            yield _Window(t, ids[max(0, end - max_length):end], end - scored_until)
+            scored_until = end
+
+
+@torch.inference_mode()
+def compute_perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str], *, batch_size: int = 16,
+                       add_bos: bool = True, max_length: int | None = None, stride: int | None = None,
+                       progress: bool = True) -> PerplexityResult:
+    """Perplexity of `model` on `texts` (see the module docstring for the method).
+
+    Example:
+        >>> compute_perplexity(model, tokenizer, ["def f(): pass"], max_length=64).tokens   # doctest: +SKIP
+        7
+    """
+    max_length = max_length or default_max_length(model, tokenizer)
+    stride = stride or max_length - 1
+    bos = tokenizer.bos_token_id if add_bos else None
+    if add_bos and bos is None:
+        logger.warning("the tokenizer has no BOS token: the first token of each text is not scored")
+    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    token_ids = [([bos] if bos is not None else []) + list(ids) for ids in encoded]
+    # Longest windows first: fewer padded positions per batch, and an out-of-memory shows up at once.
+    todo = sorted(windows(token_ids, max_length, stride), key=lambda w: -len(w.ids))
+    device = model_device(model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    nll = [0.0] * len(texts)
+    count = [0] * len(texts)
+    bar = tqdm(total=sum(w.scored for w in todo), unit="tok", desc="perplexity", disable=not progress)
+    for start in range(0, len(todo), batch_size):
+        batch = todo[start:start + batch_size]
+        width = max(len(w.ids) for w in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for row, w in enumerate(batch):
+            ids[row, :len(w.ids)] = torch.tensor(w.ids)
+            mask[row, :len(w.ids)] = 1
+        logits = model(input_ids=ids.to(device), attention_mask=mask.to(device)).logits
+        for row, w in enumerate(batch):
+            n = len(w.ids)               # logits at position i predict token i + 1
+            targets = ids[row, n - w.scored:n].to(logits.device)
+            nll[w.text] += float(F.cross_entropy(logits[row, n - 1 - w.scored:n - 1].float(), targets,
+                                                 reduction="sum"))
+            count[w.text] += w.scored
+        del logits
+        bar.update(sum(w.scored for w in batch))
+    bar.close()
+
+    tokens = sum(count)
+    total = sum(nll)
+    return PerplexityResult(
+        perplexity=math.exp(total / tokens) if tokens else float("nan"), nll=total, tokens=tokens,
+        perplexities=[math.exp(n / c) if c else float("nan") for n, c in zip(nll, count)],
+        max_length=max_length, stride=stride)
+
+
+def parse_policy(value: Any) -> Any:
+    """A policy from a CLI string: preset name, JSON object, or "none" (no offloading)."""
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in NO_POLICY:
+            return None
+        return json.loads(text) if text.startswith("{") else text
+    return value
+
+
+def load_model_and_tokenizer(path: str, policy: Any = "auto", *, dtype: str | torch.dtype = "auto",
+                             device: str | None = None, **kwargs: Any):
+    """Load a causal LM with `policy` (None: the unpatched model, on `device`) and its tokenizer."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..patch import from_pretrained
+
+    policy = parse_policy(policy)
+    if isinstance(dtype, str) and dtype != "auto":
+        dtype = getattr(torch, dtype)
+    if policy is None:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device or "cpu")
+    else:
+        if device is not None:
+            logger.warning("device=%r is ignored with an offload policy (use the policy's device field)", device)
+        model = from_pretrained(path, policy, model_class=AutoModelForCausalLM, dtype=dtype, **kwargs)
+    return model.eval(), AutoTokenizer.from_pretrained(path)
+
+
+def read_texts(data: str, text_field: str = "text", split: str | None = None, limit: int | None = None) -> list[str]:
+    """Texts of a local dataset: .jsonl / .json (field `text_field`), .txt (one text per non-empty line), or a
+    directory saved with `datasets.save_to_disk`."""
+    import datasets
+
+    path = Path(data)
+    if path.is_dir():
+        ds = datasets.load_from_disk(str(path))
+    else:
+        builder = {".txt": "text", ".jsonl": "json", ".json": "json"}.get(path.suffix)
+        if builder is None:
+            raise DataError(f"{data}: expected a .jsonl, .json or .txt file or a saved dataset directory")
+        if not path.is_file():
+            raise DataError(f"{data}: no such file")
+        ds = datasets.load_dataset(builder, data_files=str(path))
+    if isinstance(ds, datasets.DatasetDict):
+        split = split or ("test" if "test" in ds else next(iter(ds)))
+        if split not in ds:
+            raise DataError(f"{data}: no split {split!r}; splits: {list(ds)}")
+        ds = ds[split]
+    if text_field not in ds.column_names:
+        raise DataError(f"{data}: no field {text_field!r}; fields: {ds.column_names} (use --text-field)")
+    texts = [t for t in ds[text_field] if isinstance(t, str) and t.strip()]
+    return texts[:limit] if limit else texts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The flags of `hf-moe-offload perplexity` and `scripts/perplexity.py`."""
+    parser.add_argument("--model", required=True, help="path (or Hub id) of a causal MoE checkpoint")
+    parser.add_argument("--data", required=True, help="a .jsonl/.json/.txt file or a saved dataset directory")
+    parser.add_argument("--text-field", default="text", help="field holding the text (default: text)")
+    parser.add_argument("--split", default=None, help="dataset split (default: test if present, else the first)")
+    parser.add_argument("--policy", default="auto",
+                        help='offload policy: a preset ("auto", "low-ram"), a JSON object, or "none" for the '
+                             'unpatched model (default: auto)')
+    parser.add_argument("--device", default=None, help='only with --policy none: where to run (default: cpu)')
+    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default: auto)")
+    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: 8)")
+    parser.add_argument("--max-length", type=int, default=None, help="window length in tokens (default: model's)")
+    parser.add_argument("--stride", type=int, default=None,
+                        help="new tokens scored per window after the first (default: max length - 1)")
+    parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
+    parser.add_argument("--limit", type=int, default=None, help="score only the first N texts")
+    parser.add_argument("--out", default=None, help="write the result (and offload stats) as JSON here")
+    return parser
+
+
+def run(args: argparse.Namespace, prog: str = "hf-moe-offload perplexity") -> int:
+    """Load, score, print `perplexity = ...`, write `--out`; a bad file, field or policy: one error line, status 2."""
+    from ..policy import PolicyError
+
+    try:
+        return _run(args)
+    except (DataError, PolicyError, json.JSONDecodeError) as err:
+        print(f"{prog}: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    from ..engine import get_engine
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    texts = read_texts(args.data, args.text_field, args.split, args.limit)
+    if not texts:
+        raise DataError(f"{args.data}: no non-empty text in field {args.text_field!r}")
+    model, tokenizer = load_model_and_tokenizer(args.model, args.policy, dtype=args.dtype, device=args.device)
+    start = time.perf_counter()
+    result = compute_perplexity(model, tokenizer, texts, batch_size=args.batch_size, add_bos=not args.no_bos,
+                                max_length=args.max_length, stride=args.stride)
+    seconds = time.perf_counter() - start
+    engine = get_engine(model)
+    report = {
+        "model": args.model, "data": args.data, "texts": len(texts),
+        "policy": engine.policy.to_dict() if engine is not None else None,
+        **result.to_dict(), "seconds": round(seconds, 3),
+        "stats": _stats_dict(engine) if engine is not None else None,
+    }
+    print(f"perplexity = {result.perplexity:.4f}  ({result.tokens} tokens, {len(texts)} texts, "
+          f"{'policy ' + json.dumps(report['policy']) if engine is not None else 'no offloading'}, {seconds:.1f} s)")
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=2, default=str) + "\n")
+        logger.info("wrote %s", args.out)
+    return 0
+
+
+def _stats_dict(engine) -> dict[str, Any]:
+    snapshot = engine.stats.snapshot()
+    return {k: v for k, v in dict(snapshot).items() if k != "per_layer"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `scripts/perplexity.py`."""
+    parser = add_arguments(argparse.ArgumentParser(prog="perplexity", description=__doc__.splitlines()[0]))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    return run(args, prog=parser.prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

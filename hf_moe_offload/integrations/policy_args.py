@@ -1,0 +1,127 @@
+"""Turn flat `key=value` model arguments (lm-eval's `--model_args`, a CLI's flags) into an `OffloadPolicy`.
+
+Accepted keys (every policy field works, including fields added later, because the list comes from
+`OffloadPolicy` itself):
+
+- `offload_policy`: a preset name (``auto``, ``low-ram``), a JSON object string, or a dict;
+- `offload_<field>` for every policy field (`offload_device`, `offload_store`, `offload_expert_cache`, ...);
+- the bare field name (`store`, `expert_cache`, `eviction`, ...) for every field whose name lm-eval's HFLM does
+  not use itself. `device` is HFLM's: lm-eval's `--device` / `device=` becomes the policy's device only when
+  neither `offload_device` nor the policy names one (a CUDA device that this machine lacks, such as lm-eval's
+  default ``cuda:0`` on a CPU-only machine, is then left to the policy's "auto" with a warning).
+
+Fields given on their own override the same fields of `offload_policy`. Every error is a `PolicyError` whose
+message lists what is allowed, raised before anything is loaded.
+
+Example:
+    >>> args = {"pretrained": "m", "store": "disk", "expert_cache": "25%", "batch_size": 8}
+    >>> policy = pop_policy_args(args, lm_eval_device="cpu")
+    >>> (policy.device, policy.store, policy.expert_cache), sorted(args)
+    (('cpu', 'disk', '25%'), ['batch_size', 'pretrained'])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Iterable, MutableMapping
+from typing import Any
+
+import torch
+
+from ..policy import AUTO, PRESETS, OffloadPolicy, PolicyError, field_names
+
+logger = logging.getLogger(__name__)
+
+POLICY_KEY = "offload_policy"
+PREFIX = "offload_"
+# `offload_*` keys that belong to HFLM / transformers, not to the policy.
+FOREIGN_PREFIXED = frozenset({"offload_folder", "offload_state_dict", "offload_buffers"})
+
+
+def accepted_keys(reserved: Iterable[str] = ()) -> list[str]:
+    """Every key `pop_policy_args` takes, given the names that another component owns (`reserved`)."""
+    reserved = set(reserved)
+    fields = field_names()
+    return [POLICY_KEY] + [PREFIX + f for f in fields] + [f for f in fields if f not in reserved]
+
+
+def pop_policy_args(model_args: MutableMapping[str, Any], *, reserved: Iterable[str] = ("device",),
+                    lm_eval_device: str | None = None) -> OffloadPolicy:
+    """Remove the policy keys from `model_args` and return the validated policy they describe.
+
+    `reserved`: field names that are NOT taken bare (they belong to the caller, e.g. HFLM's `device`).
+    `lm_eval_device`: the caller's device, used when the policy does not name one.
+    """
+    reserved = set(reserved)
+    fields = field_names()
+    base = _base_policy(model_args.pop(POLICY_KEY, None))
+
+    unknown = sorted(k for k in model_args if k.startswith(PREFIX) and k not in FOREIGN_PREFIXED
+                     and k[len(PREFIX):] not in fields)
+    if unknown:
+        raise PolicyError(f"unknown model argument(s) {unknown}; the offload policy takes: "
+                          f"{accepted_keys(reserved)}")
+    overrides = {}
+    for name in fields:
+        if PREFIX + name in model_args:
+            overrides[name] = model_args.pop(PREFIX + name)
+        elif name not in reserved and name in model_args:
+            overrides[name] = model_args.pop(name)
+    merged = {**base, **overrides}
+
+    source = "offload_device" if "device" in overrides else POLICY_KEY
+    if merged.get("device", AUTO) == AUTO and lm_eval_device is not None:
+        device = device_from_caller(lm_eval_device)
+        if device != AUTO:
+            merged["device"], source = device, "device (lm-eval)"
+    try:
+        policy = OffloadPolicy.from_any(merged)
+    except PolicyError as err:
+        raise PolicyError(f"bad offload policy in model arguments: {err}") from err
+    logger.debug("hf_moe_offload policy from model arguments: %s (device from %s)", policy.to_dict(),
+                source if policy.device != AUTO else "auto")
+    return policy
+
+
+def _base_policy(value: Any) -> dict[str, Any]:
+    """The fields of `offload_policy=` (preset name, JSON string, dict, OffloadPolicy or None)."""
+    if value is None:
+        return {}
+    if isinstance(value, OffloadPolicy):
+        return value.to_dict()
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("{"):
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise PolicyError(f"offload_policy={value!r} is not valid JSON ({err}); give a preset name "
+                                  f"{sorted(PRESETS)} or a JSON object with keys {field_names()}") from err
+        else:
+            value = text
+    try:
+        policy = OffloadPolicy.from_any(value)
+    except PolicyError as err:
+        raise PolicyError(f"bad offload_policy in model arguments: {err}") from err
+    if isinstance(value, dict):
+        return dict(value)           # only the fields given, so that "auto" fields stay "auto"
+    return policy.to_dict()
+
+
+def device_from_caller(device: str | torch.device) -> str:
+    """A caller's device as a policy device: CUDA devices this machine lacks give "auto" (with a warning)."""
+    text = str(device).strip()
+    if text in ("", AUTO):
+        return AUTO
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, TypeError):
+        return text                  # let the policy's validation explain what is allowed
+    if dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (dev.index or 0) >= count:
+            logger.warning("device=%r does not exist on this machine (%d CUDA devices); the offload policy picks "
+                           "the device itself (auto). Pass --device cpu or offload_device=... to choose.", text, count)
+            return AUTO
+    return text
