@@ -1,9 +1,9 @@
 """Build offloaded models: `from_pretrained(..., offload_policy=...)`, `enable(model, policy)`, `disable(model)`.
 
 Loading keeps transformers' own path for the non-expert weights (key renames, conversions, dtype handling): the
-model is loaded with a device map that sends every experts module to `meta`, so no expert is ever materialised by
-transformers, and accelerate's dispatch (which would offload the rest too) is skipped for that one call. Expert
-bytes then come straight from the checkpoint files, one expert at a time, into the store.
+model is loaded with a device map that sends every experts module to `meta`, and for that one call "meta" means
+"not read" (see `_experts_left_unread`). Expert bytes then come straight from the checkpoint files, one expert at
+a time, into the store.
 
 Every check that can fail (policy, architecture, checkpoint shards, device, cache budget) runs before anything
 is allocated.
@@ -18,11 +18,12 @@ from typing import Any
 import torch
 from torch import nn
 from transformers import AutoConfig, PreTrainedModel
+import transformers.core_model_loading as core_model_loading
 import transformers.modeling_utils as modeling_utils
 
 from .arch import MoEArch, MoELayer, get_arch
 from .auto import Footprint, resolve
-from .checkpoint import CheckpointIndex, resolve_checkpoint_dir
+from .checkpoint import SAFETENSORS_DTYPES, CheckpointIndex, resolve_checkpoint_dir
 from .engine import OffloadEngine, get_engine, move_resident_part
 from .policy import OffloadPolicy, PolicyError
 from .store import CpuStore, DiskStore
@@ -57,7 +58,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
 
     device_map = _device_map(skeleton, layers, device)
     del skeleton
-    with _without_accelerate_dispatch():
+    with _experts_left_unread():
         model = original_from_pretrained(model_cls, pretrained_model_name_or_path, *model_args,
                                          device_map=device_map, **kwargs)
     layers = arch.find_layers(model)
@@ -179,27 +180,52 @@ def _device_map(skeleton: nn.Module, layers: list[MoELayer], device: torch.devic
 
 
 _dispatch_skipped = threading.local()
+_patch_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def _without_accelerate_dispatch():
-    """Skip transformers' accelerate dispatch for this thread's load only: with a device map that mixes a device and
-    "meta", dispatch would turn the resident part into offloaded hooks too. Nothing else changes."""
-    original = modeling_utils.accelerate_dispatch
-    if getattr(original, "_hf_moe_offload_wrapper", False):
-        original = original.__wrapped__
+def _experts_left_unread():
+    """For our own `from_pretrained` call, make the experts' "meta" placement mean "do not read":
 
-    def dispatch(*args, **kwargs):
-        if getattr(_dispatch_skipped, "active", False):
-            return None
-        return original(*args, **kwargs)
+    - transformers materialises every checkpoint tensor before moving it to its device, so a tensor bound for
+      "meta" would still be read from disk (all expert bytes, through the page cache): build it on meta instead;
+    - safetensors' mmap backend reads ahead through whole shards (most of every file, experts included): open the
+      shards with its pread backend (transformers' own choice on MPS and Windows), which reads only what is asked;
+    - accelerate's dispatch would turn the resident part into offloaded hooks because the device map mixes a
+      device and "meta": skip it for this thread's load.
+    All are scoped to the call and restored even when it fails; without `offload_policy` nothing changes.
+    """
+    with _patch_lock:
+        original_dispatch = modeling_utils.accelerate_dispatch
+        original_materialize = core_model_loading._materialize_copy
+        original_safe_open = modeling_utils.safe_open
 
-    dispatch._hf_moe_offload_wrapper = True
-    dispatch.__wrapped__ = original
-    modeling_utils.accelerate_dispatch = dispatch
+        def safe_open(filename, framework, device="cpu", backend=None, **kwargs):
+            if backend == "mmap" and getattr(_dispatch_skipped, "active", False):
+                backend = "pread"
+            return original_safe_open(filename, framework=framework, device=device, backend=backend, **kwargs)
+
+        def dispatch(*args, **kwargs):
+            if getattr(_dispatch_skipped, "active", False):
+                return None
+            return original_dispatch(*args, **kwargs)
+
+        def materialize(tensor, device=None, dtype=None):
+            if device is not None and torch.device(device).type == "meta":
+                shape = tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
+                src = SAFETENSORS_DTYPES.get(tensor.get_dtype()) if hasattr(tensor, "get_dtype") else tensor.dtype
+                return torch.empty(shape, dtype=dtype or src, device="meta")
+            return original_materialize(tensor, device, dtype)
+
+        modeling_utils.accelerate_dispatch = dispatch
+        core_model_loading._materialize_copy = materialize
+        modeling_utils.safe_open = safe_open
     _dispatch_skipped.active = True
     try:
         yield
     finally:
         _dispatch_skipped.active = False
-        modeling_utils.accelerate_dispatch = original
+        with _patch_lock:
+            modeling_utils.accelerate_dispatch = original_dispatch
+            core_model_loading._materialize_copy = original_materialize
+            modeling_utils.safe_open = original_safe_open

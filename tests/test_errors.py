@@ -96,12 +96,16 @@ def test_device_map_conflicts_with_policy(tiny_models):
 
 
 def test_a_failed_load_leaves_nothing_patched(tiny_models, tmp_path):
-    original_dispatch = modeling_utils.accelerate_dispatch
+    import transformers.core_model_loading as core_model_loading
+
+    originals = (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy)
     path = _copy(tiny_models["mixtral"], tmp_path / "m")
     os.remove(os.path.join(path, _shards(path)[0]))
     with pytest.raises(CheckpointError):
         offloaded_any(path, "auto")
-    assert modeling_utils.accelerate_dispatch is original_dispatch
+    assert (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy) == originals
+    offloaded_any(tiny_models["mixtral"], {"device": "cpu", "store": "disk", "expert_cache": "50%"})
+    assert (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy) == originals
     # and a plain load of a good checkpoint still works exactly as without the package
     model = AutoModelForCausalLM.from_pretrained(tiny_models["mixtral"])
     assert hf_moe_offload.get_engine(model) is None

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from transformers import MixtralConfig, MixtralForCausalLM
 
@@ -60,3 +61,40 @@ def test_disk_store_peak_rss_stays_near_resident_plus_cache(tmp_path):
     # Allowance beyond the cache: resident part (~1 MiB), activations, allocator and lazy imports.
     assert result["growth"] < cache + 60 * MiB, result
     assert result["growth"] < expert_bytes / 2, result
+
+
+IO_PROBE = textwrap.dedent("""
+    import glob, json, os, sys
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import torch, hf_moe_offload
+    from transformers import AutoModelForCausalLM
+    files = glob.glob(os.path.join(sys.argv[1], "*.safetensors"))
+    def evict():   # drop the files from the page cache (written back first: dirty pages are not dropped)
+        for f in files:
+            fd = os.open(f, os.O_RDONLY)
+            os.fdatasync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+    def read_bytes():
+        return int([l for l in open("/proc/self/io") if l.startswith("read_bytes")][0].split()[1])
+    evict(); before = read_bytes()
+    with open(files[0], "rb") as f:      # control: does this filesystem show reads in /proc/self/io?
+        f.read()
+    control = read_bytes() - before
+    evict(); before = read_bytes()
+    AutoModelForCausalLM.from_pretrained(sys.argv[1], offload_policy={
+        "device": "cpu", "store": "disk", "expert_cache": int(sys.argv[2])})
+    print(json.dumps({"control": control, "load_read": read_bytes() - before,
+                      "control_file": os.path.getsize(files[0])}))
+""")
+
+
+def test_loading_with_disk_store_reads_no_expert_bytes(tmp_path):
+    """transformers would read every checkpoint tensor before placing it on 'meta'; our load must not."""
+    expert_bytes, per_expert = _build_big_experts_model(tmp_path / "big")
+    out = subprocess.run([sys.executable, "-c", IO_PROBE, str(tmp_path / "big"), str(8 * per_expert)],
+                         capture_output=True, text=True, check=True, timeout=300)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if result["control"] < result["control_file"] // 2:
+        pytest.skip(f"this filesystem does not report reads in /proc/self/io ({result})")
+    assert result["load_read"] < 16 * MiB, result      # resident part ~1 MiB; experts ~192 MiB
