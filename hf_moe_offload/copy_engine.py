@@ -20,6 +20,9 @@ import torch
 
 from .store import ExpertStore
 
+# Disk reads of different experts run in parallel: SSDs serve several requests at once far faster than one.
+DISK_READERS = 4
+
 
 class CpuLoad:
     def __init__(self, future: Future):
@@ -33,11 +36,12 @@ class CpuLoad:
 
 
 class CpuCopyEngine:
-    """Loads run on one worker thread (reads and copies release the GIL, so they overlap with compute)."""
+    """Loads run on worker threads (reads and copies release the GIL, so they overlap with compute)."""
 
     def __init__(self, store: ExpertStore):
         self.store = store
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_moe_offload_copy")
+        workers = 1 if store.host_slab(0, 0) is not None else DISK_READERS
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf_moe_offload_copy")
 
     def load(self, layer: int, expert: int, slot: torch.Tensor, after: object | None = None) -> CpuLoad:
         return CpuLoad(self._pool.submit(self.store.read_into, layer, expert, slot))
@@ -67,14 +71,14 @@ class CudaLoad:
 class CudaCopyEngine:
     """Host-to-device copies on their own stream, ordered against compute by events."""
 
-    def __init__(self, store: ExpertStore, device: torch.device, staging_buffers: int = 2):
+    def __init__(self, store: ExpertStore, device: torch.device, readers: int = DISK_READERS):
         self.store, self.device = store, device
         self.stream = torch.cuda.Stream(device)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_moe_offload_copy")
+        self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="hf_moe_offload_copy")
         self._staging: queue.Queue[torch.Tensor] = queue.Queue()
         if store.host_slab(0, 0) is None:   # disk store: reads land in pinned staging buffers first
             numel = max(lay.numel for lay in store.layouts)
-            for _ in range(staging_buffers):
+            for _ in range(readers):
                 self._staging.put(torch.empty(numel, dtype=store.dtype, pin_memory=True))
 
     def load(self, layer: int, expert: int, slot: torch.Tensor, after: torch.cuda.Event | None = None) -> CudaLoad:

@@ -13,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import os
+import threading
 from typing import Sequence
 
 import torch
@@ -57,6 +58,7 @@ class DiskStore(ExpertStore):
         self.pieces = pieces
         self.files = sorted({p.source.path for layer in self.pieces for exp in layer for p in exp})
         self._fds: dict[str, int] = {}
+        self._fds_lock = threading.Lock()   # several reader threads share the file descriptors
 
     def read_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
         """Fill the flat CPU tensor `dst` (numel >= slab) with the expert's slab."""
@@ -66,15 +68,17 @@ class DiskStore(ExpertStore):
             read_into(piece.source, parts[piece.part][piece.row:piece.row + rows], self._fd(piece.source.path))
 
     def _fd(self, path: str) -> int:
-        fd = self._fds.get(path)
-        if fd is None:
-            fd = self._fds[path] = os.open(path, os.O_RDONLY)
-        return fd
+        with self._fds_lock:
+            fd = self._fds.get(path)
+            if fd is None:
+                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+            return fd
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        with self._fds_lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 class CpuStore(ExpertStore):
