@@ -65,6 +65,13 @@ def test_predicted_routing_uses_only_predicted_experts(tiny_models, predictors):
         assert not torch.allclose(model(ids).logits, reference("mixtral", tiny_models["mixtral"])(ids).logits)
 
 
+def test_predicted_routing_alone_does_not_prefetch(tiny_models, predictors):
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%",
+                      prefetch="none", routing="predicted", predictor=predictors["mixtral"])
+    model.generate(_ids(), max_new_tokens=4, do_sample=False, pad_token_id=0)
+    assert hf_moe_offload.stats(model)["prefetch_issued"] == 0
+
+
 def test_predictor_for_another_model_is_refused_before_loading(tiny_models, predictors, tmp_path):
     other = build_tiny("qwen3_moe", tmp_path / "qwen3")
     with pytest.raises(PredictorMismatchError, match="model_type"):

@@ -43,6 +43,7 @@ class HashPrefetcher:
 
     def __init__(self, engine, predictor: nn.Module, routing: str = "router"):
         self.engine, self.predictor, self.routing = engine, predictor, routing
+        self.prefetches = engine.policy.prefetch == "hash"   # a predictor may serve routing="predicted" alone
         model, arch = engine.model, engine.arch
         axis = {name: i for i, name in enumerate(predictor.config.layer_names)}
         self.axis_of = {layer.index: axis[layer.name] for layer in engine.layers if layer.name in axis}
@@ -110,7 +111,7 @@ class HashPrefetcher:
 
     def on_layer(self, layer_index: int) -> Callable[[], None] | None:
         """The `on_pinned` callback for this layer's fetch: prefetch the next predicted layers."""
-        if layer_index not in self.axis_of:
+        if not self.prefetches or layer_index not in self.axis_of:
             return None
 
         def prefetch_ahead() -> None:
