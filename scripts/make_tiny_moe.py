@@ -26,6 +26,15 @@ With ``--minutes`` the LR schedule follows wall-clock progress (robust to a
 shared, fluctuating CPU), so the step count depends on machine speed and the
 run is not bit-reproducible; ``--steps N`` gives a step-based, deterministic
 schedule. ``training_info.json`` records the steps actually taken.
+
+``--arch switch`` instead trains a tiny ``SwitchTransformersForConditionalGeneration``
+(8 experts, top-1, every encoder and decoder layer sparse) the same way, on a
+"continue the paragraph" task from the same training split: the encoder reads
+the first half of a 128-token window, the decoder predicts the second half.
+It is for benchmarks (SiDA's setting: encoder routing), not shipped:
+
+    HF_HUB_OFFLINE=1 python scripts/make_tiny_moe.py --arch switch \\
+        --out /tmp/hs/switch --steps 800 --seed 0 --threads 1
 """
 
 from __future__ import annotations
@@ -61,8 +70,16 @@ from transformers import (  # noqa: E402
     MixtralConfig,
     MixtralForCausalLM,
     PreTrainedTokenizerFast,
+    SwitchTransformersConfig,
+    SwitchTransformersForConditionalGeneration,
 )
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func  # noqa: E402
+from transformers.models.switch_transformers.modeling_switch_transformers import (  # noqa: E402
+    load_balancing_loss_func as switch_balance_loss,
+)
+from transformers.models.switch_transformers.modeling_switch_transformers import (  # noqa: E402
+    router_z_loss_func as switch_z_loss,
+)
 
 log = logging.getLogger("make_tiny_moe")
 
@@ -479,6 +496,217 @@ def reload_and_generate(out: Path, prompt: str, max_new_tokens: int = 30) -> tup
     return model, tokenizer.decode(ids[0], skip_special_tokens=True)
 
 
+# ------------------------------------------------------- switch (--arch switch)
+
+
+@dataclass
+class SwitchShape:
+    """A tiny Switch Transformers: every encoder and decoder layer is sparse (sparse step 1), top-1 routing."""
+
+    vocab_size: int = 2048
+    d_model: int = 128
+    d_ff: int = 256
+    d_kv: int = 32
+    num_heads: int = 4
+    num_layers: int = 2
+    num_decoder_layers: int = 2
+    num_experts: int = 8
+    max_position_embeddings: int = 512
+    # 10x the Switch paper's alpha: at 0.01 this tiny model left 2 experts of every encoder layer unused.
+    router_aux_loss_coef: float = 0.1
+    router_z_loss_coef: float = 0.001
+
+
+def build_switch(shape: SwitchShape, tokenizer: PreTrainedTokenizerFast, seed: int,
+                 seq_len: int) -> SwitchTransformersForConditionalGeneration:
+    """Randomly initialised Switch model; ``expert_capacity`` = the encoder/decoder length, so no token is dropped."""
+    config = SwitchTransformersConfig(
+        vocab_size=len(tokenizer),
+        d_model=shape.d_model,
+        d_kv=shape.d_kv,
+        d_ff=shape.d_ff,
+        num_heads=shape.num_heads,
+        num_layers=shape.num_layers,
+        num_decoder_layers=shape.num_decoder_layers,
+        num_sparse_encoder_layers=shape.num_layers,
+        num_sparse_decoder_layers=shape.num_decoder_layers,
+        num_experts=shape.num_experts,
+        expert_capacity=seq_len,
+        router_jitter_noise=0.0,
+        router_aux_loss_coef=shape.router_aux_loss_coef,
+        router_z_loss_coef=shape.router_z_loss_coef,
+        dropout_rate=0.0,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(seed)
+    return SwitchTransformersForConditionalGeneration(config)
+
+
+def split_pairs(windows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """"Continue the paragraph": (encoder = first half of each window, decoder labels = second half)."""
+    half = windows.shape[1] // 2
+    return windows[:, :half].contiguous(), windows[:, half:].contiguous()
+
+
+def switch_losses(model: SwitchTransformersForConditionalGeneration, windows: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """(decoder token loss, router loss, encoder router logits) on the continuation task.
+
+    The router loss (z-loss + load balancing, Switch paper) is computed per sparse layer here: transformers adds
+    it only when ``*_sparse_step > 1``, i.e. never when every layer is sparse, as in this model.
+    """
+    enc, labels = split_pairs(windows)
+    out = model(input_ids=enc, labels=labels, output_router_logits=True)
+    lm = F.cross_entropy(out.logits.flatten(0, 1).float(), labels.flatten())
+    cfg = model.config
+    router = []
+    for logits in (*out.encoder_router_logits, *out.decoder_router_logits):
+        logits = logits.float()
+        balance = switch_balance_loss(logits.softmax(dim=-1), logits.argmax(dim=-1))
+        router.append(cfg.router_aux_loss_coef * balance + cfg.router_z_loss_coef * switch_z_loss(logits))
+    return lm, torch.stack(router).mean(), out.encoder_router_logits
+
+
+def train_switch(model: SwitchTransformersForConditionalGeneration, stream: torch.Tensor, cfg: TrainSettings,
+                 seed: int, steps: int | None, minutes: float) -> dict:
+    """Same schedule and optimizer as ``train`` (Mixtral), on the continuation task."""
+    model.train()
+    opt = make_optimizer(model, cfg)
+    gen = torch.Generator().manual_seed(seed)
+    budget_s = minutes * 60.0
+    losses: list[float] = []
+    bar = tqdm(total=steps, desc="train switch", dynamic_ncols=True, mininterval=2.0)
+    start = time.perf_counter()
+    step = 0
+    while True:
+        elapsed = time.perf_counter() - start
+        progress = step / steps if steps is not None else elapsed / budget_s
+        if progress >= 1.0:
+            break
+        lr = lr_at(step, progress, cfg)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        lm, router, _ = switch_losses(model, random_windows(stream, cfg.batch_size, cfg.seq_len, gen))
+        (lm + router).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(lm.item())
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{lm.item():.3f}", router=f"{router.item():.4f}", lr=f"{lr:.1e}")
+    bar.close()
+    tail = losses[-min(50, len(losses)) :]
+    return {"steps": step, "train_seconds": round(time.perf_counter() - start, 1),
+            "final_train_loss": round(sum(tail) / len(tail), 4), "tokens_seen": step * cfg.batch_size * cfg.seq_len}
+
+
+@torch.no_grad()
+def evaluate_switch(model: SwitchTransformersForConditionalGeneration, windows: torch.Tensor,
+                    batch_size: int = 16) -> dict:
+    """Held-out decoder perplexity on the continuation task, encoder expert load and router entropy per layer."""
+    model.eval()
+    n_exp = model.config.num_experts
+    nll_sum, n_tok, n_routed = 0.0, 0, 0
+    load = torch.zeros(model.config.num_layers, n_exp)
+    entropy = torch.zeros(model.config.num_layers)
+    for i in range(0, len(windows), batch_size):
+        batch = windows[i : i + batch_size]
+        lm, _, enc_router = switch_losses(model, batch)
+        n = batch.shape[0] * (batch.shape[1] - batch.shape[1] // 2)
+        nll_sum += lm.item() * n
+        n_tok += n
+        logits = [x for x in enc_router if x is not None and x.dim() == 3]
+        for layer, lg in enumerate(logits):
+            probs = lg.float().softmax(dim=-1)
+            load[layer] += torch.bincount(probs.argmax(-1).flatten(), minlength=n_exp).float()
+            entropy[layer] += -(probs * probs.clamp_min(1e-12).log()).sum()
+        n_routed += batch.shape[0] * (batch.shape[1] // 2)
+    load = load / load.sum(dim=1, keepdim=True).clamp_min(1)
+    return {"ppl": math.exp(nll_sum / n_tok), "nll": nll_sum / n_tok, "tokens": n_tok,
+            "encoder_expert_load": [[round(x, 4) for x in row] for row in load.tolist()],
+            "encoder_router_entropy": [round(x, 4) for x in (entropy / max(n_routed, 1) / math.log(n_exp)).tolist()]}
+
+
+def check_switch_layout(out: Path, shape: SwitchShape) -> None:
+    """Assert per-expert Hub keys (``...mlp.experts.expert_{e}.wi/wo.weight``) for every sparse layer."""
+    with safe_open(str(out / "model.safetensors"), framework="pt") as fh:
+        keys = set(fh.keys())
+    expected = [f"{side}.block.{i}.layer.{ff}.mlp.experts.expert_{e}.{w}.weight"
+                for side, n, ff in (("encoder", shape.num_layers, 1), ("decoder", shape.num_decoder_layers, 2))
+                for i in range(n) for e in range(shape.num_experts) for w in ("wi", "wo")]
+    missing = [k for k in expected if k not in keys]
+    if missing:
+        raise RuntimeError(f"unexpected Switch checkpoint layout: missing {missing[:3]}...")
+
+
+def main_switch(args: argparse.Namespace, argv: list[str] | None) -> int:
+    """``--arch switch``: build, train, save and verify a tiny Switch Transformers model (not shipped)."""
+    if args.out == Path("hf_moe_offload/demo_model"):
+        raise SystemExit("--arch switch: give --out (the shipped demo_model directory is the Mixtral one)")
+    torch.set_num_threads(args.threads)
+    shape, settings = SwitchShape(), TrainSettings(lr=args.lr, weight_decay=args.weight_decay)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+
+    topics = load_topics()
+    train_keys, heldout_keys = split_topics(topics, args.heldout_frac, args.split_seed)
+    train_texts = [topics[k] for k in train_keys]
+    write_heldout(out / "heldout.jsonl", topics, heldout_keys)
+    tokenizer = train_tokenizer(train_texts, shape.vocab_size, shape.max_position_embeddings)
+    tokenizer.padding_side = "right"          # an encoder-decoder pads on the right
+    train_stream = encode_stream(tokenizer, train_texts)
+    heldout_win = eval_windows(encode_stream(tokenizer, [topics[k] for k in heldout_keys]), settings.seq_len)
+    log.info("switch: %d train tokens, %d held-out windows (%d encoder + %d decoder tokens)", len(train_stream),
+             len(heldout_win), settings.seq_len // 2, settings.seq_len - settings.seq_len // 2)
+
+    model = build_switch(shape, tokenizer, args.seed, settings.seq_len // 2)
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("switch model: %d parameters", n_params)
+    with logging_redirect_tqdm():
+        stats = train_switch(model, train_stream, settings, args.seed, args.steps, args.minutes)
+    heldout = evaluate_switch(model, heldout_win)
+    log.info("train loss %.4f | held-out continuation ppl %.2f", stats["final_train_loss"], heldout["ppl"])
+
+    save_checkpoint(model, tokenizer, out)
+    model.generation_config.decoder_start_token_id = tokenizer.pad_token_id
+    model.generation_config.save_pretrained(out)
+    check_switch_layout(out, shape)
+    reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(out).eval()
+    heldout_bf16 = evaluate_switch(reloaded, heldout_win)
+    enc = tokenizer(SAMPLE_PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        sample = tokenizer.decode(reloaded.generate(**enc, max_new_tokens=30, do_sample=False)[0],
+                                  skip_special_tokens=True)
+    log.info("reloaded bf16 held-out ppl %.2f; sample: %r", heldout_bf16["ppl"], sample)
+    info = {
+        "command": shlex.join(["python", *sys.argv]) if argv is None else shlex.join(["python", __file__, *argv]),
+        "arch": "switch",
+        "task": "continue the paragraph: encoder = first half of a 128-token window, decoder = second half",
+        "seed": args.seed,
+        "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "num_parameters": n_params,
+        "model": asdict(shape),
+        "settings": asdict(settings),
+        "training": stats,
+        "heldout": {"ppl_fp32": round(heldout["ppl"], 3), "ppl_bf16_reloaded": round(heldout_bf16["ppl"], 3),
+                    "tokens": heldout["tokens"], "encoder_expert_load_top1": heldout_bf16["encoder_expert_load"],
+                    "encoder_router_entropy_normalised": heldout_bf16["encoder_router_entropy"]},
+        "data": {"source": "pydoc_data.topics", "python_version": sys.version.split()[0],
+                 "split_seed": args.split_seed, "n_train_topics": len(train_keys),
+                 "n_heldout_topics": len(heldout_keys), "heldout_topics": heldout_keys,
+                 "train_tokens": len(train_stream)},
+        "sample": {"prompt": SAMPLE_PROMPT, "greedy_30_tokens": sample},
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+    }
+    (out / "training_info.json").write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
+    print(f"\nSample ({SAMPLE_PROMPT!r}, greedy, 30 new tokens):\n{sample}")
+    return 0
+
+
 # -------------------------------------------------------------------------- main
 
 
@@ -496,6 +724,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads")
     p.add_argument("--monitor-every", type=int, default=200, help="log held-out ppl every N steps (0: off)")
     p.add_argument("--max-mb", type=float, default=5.0, help="warn if the output dir exceeds this size")
+    p.add_argument("--arch", choices=["mixtral", "switch"], default="mixtral",
+                   help="mixtral: the shipped demo model; switch: a tiny seq2seq Switch Transformers (needs --out)")
     return p.parse_args(argv)
 
 
@@ -503,6 +733,8 @@ def main(argv: list[str] | None = None) -> int:
     """Build, train, save and verify the demo model."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     args = parse_args(argv)
+    if vars(args).pop("arch") == "switch":   # the Mixtral path sees exactly the namespace it always did
+        return main_switch(args, argv)
     torch.set_num_threads(args.threads)
     shape, settings = ModelShape(), TrainSettings(lr=args.lr, weight_decay=args.weight_decay)
     out: Path = args.out
