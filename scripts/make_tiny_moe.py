@@ -44,7 +44,6 @@ import json
 import logging
 import math
 import os
-import random
 import shlex
 import sys
 import time
@@ -137,18 +136,10 @@ def split_topics(topics: dict[str, str], heldout_frac: float, seed: int) -> tupl
     the shuffled order until they hold ``heldout_frac`` of all characters
     (topic lengths vary 100x, so counting keys would give an erratic amount).
     """
-    keys = sorted(topics)
-    random.Random(seed).shuffle(keys)
-    target = heldout_frac * sum(len(t) for t in topics.values())
-    heldout: list[str] = []
-    chars = 0
-    for key in keys:
-        if chars >= target:
-            break
-        heldout.append(key)
-        chars += len(topics[key])
-    held = set(heldout)
-    return sorted(k for k in keys if k not in held), sorted(heldout)
+    from hf_moe_offload.integrations.task_data import heldout_topic_keys   # the one definition of the split
+
+    held = set(heldout_topic_keys(topics, frac=heldout_frac, seed=seed))
+    return sorted(k for k in topics if k not in held), sorted(held)
 
 
 def write_heldout(path: Path, topics: dict[str, str], keys: list[str]) -> None:
