@@ -179,7 +179,7 @@ def _device_map(skeleton: nn.Module, layers: list[MoELayer], device: torch.devic
     return device_map
 
 
-_dispatch_skipped = threading.local()
+_in_offloaded_load = threading.local()
 _patch_lock = threading.Lock()
 
 
@@ -201,12 +201,12 @@ def _experts_left_unread():
         original_safe_open = modeling_utils.safe_open
 
         def safe_open(filename, framework, device="cpu", backend=None, **kwargs):
-            if backend == "mmap" and getattr(_dispatch_skipped, "active", False):
+            if backend == "mmap" and getattr(_in_offloaded_load, "active", False):
                 backend = "pread"
             return original_safe_open(filename, framework=framework, device=device, backend=backend, **kwargs)
 
         def dispatch(*args, **kwargs):
-            if getattr(_dispatch_skipped, "active", False):
+            if getattr(_in_offloaded_load, "active", False):
                 return None
             return original_dispatch(*args, **kwargs)
 
@@ -220,11 +220,11 @@ def _experts_left_unread():
         modeling_utils.accelerate_dispatch = dispatch
         core_model_loading._materialize_copy = materialize
         modeling_utils.safe_open = safe_open
-    _dispatch_skipped.active = True
+    _in_offloaded_load.active = True
     try:
         yield
     finally:
-        _dispatch_skipped.active = False
+        _in_offloaded_load.active = False
         with _patch_lock:
             modeling_utils.accelerate_dispatch = original_dispatch
             core_model_loading._materialize_copy = original_materialize
