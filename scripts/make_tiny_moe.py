@@ -291,14 +291,23 @@ def forward_losses(model: MixtralForCausalLM, batch: torch.Tensor) -> tuple[torc
     return lm_loss(out.logits, batch), aux, out.router_logits
 
 
-def train_step(
-    model: MixtralForCausalLM, opt: torch.optim.Optimizer, batch: torch.Tensor, lr: float, cfg: TrainSettings
-) -> tuple[float, float]:
-    """One optimisation step; returns (lm loss, router balance loss)."""
+# An objective returns (lm loss to report, total loss to minimise, router loss to report) for one batch.
+Objective = Callable[[torch.nn.Module, torch.Tensor], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def mixtral_objective(model: MixtralForCausalLM, batch: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    loss, aux, _ = forward_losses(model, batch)
+    return loss, loss + model.config.router_aux_loss_coef * aux, aux
+
+
+def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, batch: torch.Tensor, lr: float,
+               cfg: TrainSettings, objective: Objective = mixtral_objective) -> tuple[float, float]:
+    """One optimisation step; returns (lm loss, router loss)."""
     for group in opt.param_groups:
         group["lr"] = lr
-    loss, aux, _ = forward_losses(model, batch)
-    (loss + model.config.router_aux_loss_coef * aux).backward()
+    loss, total, aux = objective(model, batch)
+    total.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -306,7 +315,7 @@ def train_step(
 
 
 def train(
-    model: MixtralForCausalLM,
+    model: torch.nn.Module,
     stream: torch.Tensor,
     cfg: TrainSettings,
     seed: int,
@@ -314,6 +323,8 @@ def train(
     minutes: float,
     monitor: Callable[[], float] | None = None,
     monitor_every: int = 0,
+    objective: Objective = mixtral_objective,
+    desc: str = "train",
 ) -> dict:
     """Train for ``steps`` steps or, if None, until ``minutes`` have elapsed.
 
@@ -326,7 +337,7 @@ def train(
     gen = torch.Generator().manual_seed(seed)
     budget_s = minutes * 60.0
     losses: list[float] = []
-    bar = tqdm(total=steps, desc="train", dynamic_ncols=True, mininterval=2.0)
+    bar = tqdm(total=steps, desc=desc, dynamic_ncols=True, mininterval=2.0)
     start = time.perf_counter()
     step = 0
     while True:
@@ -335,7 +346,8 @@ def train(
         if progress >= 1.0:
             break
         lr = lr_at(step, progress, cfg)
-        loss, aux = train_step(model, opt, random_windows(stream, cfg.batch_size, cfg.seq_len, gen), lr, cfg)
+        loss, aux = train_step(model, opt, random_windows(stream, cfg.batch_size, cfg.seq_len, gen), lr, cfg,
+                               objective)
         losses.append(loss)
         step += 1
         bar.update(1)
@@ -561,38 +573,10 @@ def switch_losses(model: SwitchTransformersForConditionalGeneration, windows: to
     return lm, torch.stack(router).mean(), out.encoder_router_logits
 
 
-def train_switch(model: SwitchTransformersForConditionalGeneration, stream: torch.Tensor, cfg: TrainSettings,
-                 seed: int, steps: int | None, minutes: float) -> dict:
-    """Same schedule and optimizer as ``train`` (Mixtral), on the continuation task."""
-    model.train()
-    opt = make_optimizer(model, cfg)
-    gen = torch.Generator().manual_seed(seed)
-    budget_s = minutes * 60.0
-    losses: list[float] = []
-    bar = tqdm(total=steps, desc="train switch", dynamic_ncols=True, mininterval=2.0)
-    start = time.perf_counter()
-    step = 0
-    while True:
-        elapsed = time.perf_counter() - start
-        progress = step / steps if steps is not None else elapsed / budget_s
-        if progress >= 1.0:
-            break
-        lr = lr_at(step, progress, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr
-        lm, router, _ = switch_losses(model, random_windows(stream, cfg.batch_size, cfg.seq_len, gen))
-        (lm + router).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(lm.item())
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{lm.item():.3f}", router=f"{router.item():.4f}", lr=f"{lr:.1e}")
-    bar.close()
-    tail = losses[-min(50, len(losses)) :]
-    return {"steps": step, "train_seconds": round(time.perf_counter() - start, 1),
-            "final_train_loss": round(sum(tail) / len(tail), 4), "tokens_seen": step * cfg.batch_size * cfg.seq_len}
+def switch_objective(model: SwitchTransformersForConditionalGeneration, batch: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    lm, router, _ = switch_losses(model, batch)
+    return lm, lm + router, router
 
 
 @torch.no_grad()
@@ -658,7 +642,8 @@ def main_switch(args: argparse.Namespace, argv: list[str] | None) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     log.info("switch model: %d parameters", n_params)
     with logging_redirect_tqdm():
-        stats = train_switch(model, train_stream, settings, args.seed, args.steps, args.minutes)
+        stats = train(model, train_stream, settings, args.seed, args.steps, args.minutes,
+                      objective=switch_objective, desc="train switch")
     heldout = evaluate_switch(model, heldout_win)
     log.info("train loss %.4f | held-out continuation ppl %.2f", stats["final_train_loss"], heldout["ppl"])
 
