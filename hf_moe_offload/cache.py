@@ -43,6 +43,7 @@ class ExpertCache:
         self.slot_numel = max(lay.numel for lay in store.layouts)
         self.slot_bytes = self.slot_numel * store.dtype.itemsize
         self.num_slots = 0 if self.zero_copy else budget_bytes // self.slot_bytes
+        stats.capacity_bytes = self.num_slots * self.slot_bytes
         self.slots = torch.empty(self.num_slots, self.slot_numel, dtype=store.dtype, device=device)
         self.copy = None if self.zero_copy else make_copy_engine(store, device)
         self.where: dict[Key, int] = {}                          # resident or loading key -> slot

@@ -59,9 +59,8 @@ class OffloadEngine:
                store: ExpertStore, budget_bytes: int, restore_device: torch.device | None = None,
                moved_resident_from: torch.device | None = None) -> "OffloadEngine":
         device = torch.device(policy.device)
-        stats = OffloadStats(num_layers=len(layers), capacity_bytes=budget_bytes)
+        stats = OffloadStats(num_layers=len(layers))
         cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats)
-        stats.capacity_bytes = cache.num_slots * cache.slot_bytes
         engine = cls(model, policy, arch, layers, store, cache, stats, restore_device or device, moved_resident_from)
         for layer, runtime in zip(layers, engine.runtimes):
             arch.release_expert_params(layer.module)

@@ -31,18 +31,18 @@ class StatsSnapshot(dict):
 class OffloadStats:
     """Live counters, updated by the cache and the copy engine (thread-safe)."""
 
-    def __init__(self, num_layers: int, capacity_bytes: int):
+    def __init__(self, num_layers: int, capacity_bytes: int = 0):
         self.num_layers = num_layers
-        self.capacity_bytes = capacity_bytes
+        self.capacity_bytes = capacity_bytes   # set by the cache from its slots
         self._lock = threading.Lock()
-        self.reset()
         self.resident_bytes = 0
+        self.reset()
 
     def reset(self) -> None:
         with self._lock:
             self.layer = {name: [0] * self.num_layers for name in PER_LAYER}
             self.forward_calls = 0
-            self.peak_cache_bytes = getattr(self, "resident_bytes", 0)
+            self.peak_cache_bytes = self.resident_bytes   # the peak from now on starts at what is resident
 
     def record_hit(self, layer: int) -> None:
         with self._lock:
