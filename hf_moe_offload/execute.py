@@ -14,6 +14,22 @@ from transformers.integrations.moe import ExpertsInterface
 EXPERTS_IMPLEMENTATION = "hf_moe_offload"
 
 
+def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, torch.Tensor]:
+    """Rows grouped per expert: `{expert: its row indices}` for the experts that received any row.
+
+    `expert_of_row` [R] holds an expert per row, or -1 for a row that goes to none (Switch's capacity drops).
+    One host sync per call (the counts).
+    """
+    order = torch.argsort(expert_of_row, stable=True)                                    # [R], -1 rows first
+    counts = torch.bincount(expert_of_row + 1, minlength=num_experts + 1).tolist()       # [1 + E]
+    rows, start = {}, counts[0]
+    for expert, count in enumerate(counts[1:]):
+        if count:
+            rows[expert] = order[start:start + count]
+        start += count
+    return rows
+
+
 def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """`ExpertsInterface` function for fused experts (`self` is e.g. a `MixtralExperts` whose weights are offloaded).
@@ -27,18 +43,13 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
                            f"experts_implementation={EXPERTS_IMPLEMENTATION!r} is only usable through hf_moe_offload")
     num_tokens, hidden = hidden_states.shape                      # [T, H]
     k = top_k_index.shape[-1]
-    flat_experts = top_k_index.reshape(-1)                        # [T*k]
     flat_weights = top_k_weights.reshape(-1)                      # [T*k]
-    order = torch.argsort(flat_experts, stable=True)              # [T*k] (token, slot) rows grouped by expert
-    counts = torch.bincount(flat_experts, minlength=self.num_experts).tolist()   # one host sync per layer
-    starts = [0]
-    for c in counts:
-        starts.append(starts[-1] + c)
+    rows_of = group_by_expert(top_k_index.reshape(-1), self.num_experts)   # (token, slot) rows per expert
 
     out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
     weighted = hidden_states.new_empty(num_tokens * k, hidden, dtype=out_dtype)   # [T*k, H], every row written
-    for expert, weights in runtime.fetch([e for e, c in enumerate(counts) if c]):
-        rows = order[starts[expert]:starts[expert + 1]]          # [n] rows of this expert
+    for expert, weights in runtime.fetch(list(rows_of)):
+        rows = rows_of[expert]                                    # [n] rows of this expert
         x = hidden_states[rows // k]                              # [n, H]
         h = self._apply_gate(F.linear(x, weights["gate_up"]))     # [n, I]
         y = F.linear(h, weights["down"])                          # [n, H]
@@ -57,8 +68,6 @@ class OffloadedSwitchExperts(nn.Module):
         self.num_experts = original.num_experts
         self.act = original["expert_0"].act
         self.runtime = runtime
-        # Kept outside the module tree (a list, not a child) so its meta parameters are not listed twice.
-        self._original = [original]
 
     def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
@@ -66,16 +75,10 @@ class OffloadedSwitchExperts(nn.Module):
         # routing_weights [T, 1]
         mask = selected_experts[:, 0, :].bool()                   # [T, E]
         assigned = torch.where(mask.any(dim=1), mask.float().argmax(dim=1), -1)   # [T] expert or -1
-        order = torch.argsort(assigned, stable=True)
-        counts = torch.bincount(assigned + 1, minlength=self.num_experts + 1).tolist()[1:]
-        start = int((assigned < 0).sum())                         # dropped tokens sort first
+        tokens_of = group_by_expert(assigned, self.num_experts)
         out = torch.zeros_like(hidden_states)
-        starts = {}
-        for e, c in enumerate(counts):
-            starts[e] = (start, start + c)
-            start += c
-        for expert, weights in self.runtime.fetch([e for e, c in enumerate(counts) if c]):
-            tokens = order[starts[expert][0]:starts[expert][1]]   # [n]
+        for expert, weights in self.runtime.fetch(list(tokens_of)):
+            tokens = tokens_of[expert]                            # [n]
             h = self.act(F.linear(hidden_states[tokens], weights["wi"]))       # [n, F]
             if h.dtype != weights["wo"].dtype:
                 h = h.to(weights["wo"].dtype)
