@@ -145,8 +145,9 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def read_into(rng: ByteRange, dst: torch.Tensor, fd: int | None = None) -> None:
-    """Fill the contiguous CPU tensor `dst` (same number of elements) with the bytes of `rng`, converting dtype."""
+def read_into(rng: ByteRange, dst: torch.Tensor, fd: int) -> None:
+    """Fill the contiguous CPU tensor `dst` (same number of elements) with the bytes of `rng` read from `fd` (open
+    on `rng.path`), converting dtype."""
     if dst.dtype == rng.dtype:
         _pread_exact(rng, memoryview(dst.reshape(-1).view(torch.uint8).numpy()), fd)
         return
@@ -155,22 +156,15 @@ def read_into(rng: ByteRange, dst: torch.Tensor, fd: int | None = None) -> None:
     dst.copy_(tmp.view(rng.dtype).view(dst.shape))
 
 
-def _pread_exact(rng: ByteRange, buf: memoryview, fd: int | None) -> None:
+def _pread_exact(rng: ByteRange, buf: memoryview, fd: int) -> None:
     if len(buf) != rng.nbytes:
         raise CheckpointError(f"{rng.path}: expected {len(buf)} bytes at {rng.offset}, tensor has {rng.nbytes}")
-    own = fd is None
-    if own:
-        fd = os.open(rng.path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < rng.nbytes:
-            n = os.preadv(fd, [buf[done:]], rng.offset + done)
-            if n <= 0:
-                raise CheckpointError(f"checkpoint shard {rng.path} ended early at byte {rng.offset + done}")
-            done += n
-    finally:
-        if own:
-            os.close(fd)
+    done = 0
+    while done < rng.nbytes:
+        n = os.preadv(fd, [buf[done:]], rng.offset + done)
+        if n <= 0:
+            raise CheckpointError(f"checkpoint shard {rng.path} ended early at byte {rng.offset + done}")
+        done += n
 
 
 def resolve_checkpoint_dir(name_or_path: str | os.PathLike, **hub_kwargs) -> str:
