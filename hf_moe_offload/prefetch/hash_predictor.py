@@ -19,7 +19,10 @@ With `causal=True` (the default for decoder-only models) the prediction for toke
 sequence.
 
 Files: `save(dir)` writes `predictor.safetensors` and `predictor_config.json` (sizes, the model fingerprint, the
-weights' sha256, training metrics); `HashPredictor.load(dir, model=...)` checks both and the fingerprint.
+weights' sha256, training metrics); `save_pretrained(dir)` writes the same two files and a model card (README.md),
+and can push them to the Hub (`push_to_hub`). `HashPredictor.load(dir_or_repo_id, model=...)` and
+`HashPredictor.from_pretrained(dir_or_repo_id, model=...)` read a directory, or a Hub repo's snapshot
+(`snapshot_download`: the cache offline), and check the checksum and, with a model, the fingerprint.
 """
 
 from __future__ import annotations
@@ -45,7 +48,12 @@ logger = logging.getLogger(__name__)
 
 WEIGHTS_NAME = "predictor.safetensors"
 CONFIG_NAME = "predictor_config.json"
+MODEL_CARD_NAME = "README.md"
 FORMAT_VERSION = 1
+LIBRARY_NAME = "hf_moe_offload"
+_WHAT_IS_A_PREDICTOR = (f"a predictor is a directory holding {CONFIG_NAME} and {WEIGHTS_NAME} "
+                        f"(HashPredictor.save_pretrained, scripts/train_hash.py) or a Hub repo id 'owner/name' "
+                        f"holding them")
 
 # Fields of the model fingerprint, checked by `HashPredictor.load(dir, model=...)`.
 FINGERPRINT_FIELDS = ("model_type", "num_layers", "layer_names", "num_experts", "hidden_size", "vocab_size", "top_k")
@@ -59,6 +67,11 @@ class PredictorMismatchError(ValueError):
 
 class PredictorFileError(ValueError):
     """A predictor file is corrupt, incomplete or not a predictor (the message names the file)."""
+
+
+class PredictorNotFoundError(PredictorFileError, FileNotFoundError):
+    """No predictor where one was asked for: a missing file or directory, or a Hub repo that cannot be resolved
+    (the message names what was looked for). Also a `FileNotFoundError`, as a missing file always was."""
 
 
 # -- the model side: which layers, which fingerprint, which embeddings --------------------------------------------
@@ -318,8 +331,9 @@ class HashPredictor(nn.Module):
         if state is not None and state.keys.shape[0] != b:
             raise ValueError(f"state is for batch {state.keys.shape[0]}, embeddings have batch {b}")
 
+        lengths = _host_lengths(attention_mask, b, length)
         x = F.relu(self.compress(x))                                           # [B, L, d]
-        h, hc = self._lstm(x, mask, None if state is None else state.hc)     # [B, L, n]
+        h, hc = self._lstm(x, mask, lengths, None if state is None else state.hc)   # [B, L, n]
 
         if state is None:
             keys, key_mask, past = h, mask, 0
@@ -344,31 +358,37 @@ class HashPredictor(nn.Module):
         new_state = PredictorState(hc=hc, keys=keys.detach(), key_mask=key_mask)
         return logits, new_state
 
-    def _lstm(self, x: torch.Tensor, mask: torch.Tensor, hc):
-        """LSTM over each row's valid tokens only (packed to the front, order kept), outputs back in place."""
+    def _lstm(self, x: torch.Tensor, mask: torch.Tensor, host_lengths: torch.Tensor, hc):
+        """LSTM over each row's valid tokens only (packed to the front, order kept), outputs back in place.
+        `host_lengths`: valid tokens per row, on the CPU (see `_host_lengths`)."""
         length = x.shape[1]
         order = torch.argsort((~mask).to(torch.int8), dim=1, stable=True)     # valid tokens first
-        lengths = mask.sum(dim=1)
         compact = x.gather(1, order[..., None].expand_as(x))
-        packed = pack_padded_sequence(compact, lengths.clamp(min=1).cpu(), batch_first=True, enforce_sorted=False)
+        packed = pack_padded_sequence(compact, host_lengths.clamp(min=1), batch_first=True, enforce_sorted=False)
         out, (h_n, c_n) = self.lstm(packed, hc)
         out, _ = pad_packed_sequence(out, batch_first=True, total_length=length)
         out = out * mask.gather(1, order)[..., None].to(out.dtype)             # zero the padded slots
         h = torch.zeros_like(out).scatter(1, order[..., None].expand_as(out), out)
-        if hc is not None:                                                     # rows with no new token keep state
-            keep = (lengths == 0)[None, :, None]
-            h_n = torch.where(keep, hc[0], h_n)
-            c_n = torch.where(keep, hc[1], c_n)
-        elif bool((lengths == 0).any()):
-            zero = (lengths == 0)[None, :, None]
-            h_n = h_n.masked_fill(zero, 0.0)
-            c_n = c_n.masked_fill(zero, 0.0)
+        # Rows without a valid token ran on a clamped length of 1: keep their previous state, or zero it.
+        # Masked on the device, unconditionally: testing for such rows first would be a second host sync.
+        empty = (~mask.any(dim=1))[None, :, None]
+        if hc is not None:
+            h_n = torch.where(empty, hc[0], h_n)
+            c_n = torch.where(empty, hc[1], c_n)
+        else:
+            h_n = h_n.masked_fill(empty, 0.0)
+            c_n = c_n.masked_fill(empty, 0.0)
         return h, (h_n, c_n)
 
     # -- files -----------------------------------------------------------------------------------------------
 
     def save(self, directory: str | os.PathLike) -> Path:
-        """Write `predictor.safetensors` and `predictor_config.json` into `directory` (created if needed)."""
+        """Write `predictor.safetensors` and `predictor_config.json` (with the weights' sha256) into `directory`
+        (created if needed); no model card (`save_pretrained` adds one).
+
+        >>> predictor.save("predictors/mixtral")
+        PosixPath('predictors/mixtral')
+        """
         from safetensors.torch import save_file
 
         directory = Path(directory)
@@ -383,22 +403,83 @@ class HashPredictor(nn.Module):
             fh.write("\n")
         return directory
 
+    def save_pretrained(self, save_directory: str | os.PathLike, *, push_to_hub: bool = False,
+                        repo_id: str | None = None, **push_to_hub_kwargs) -> str | None:
+        """`save` plus a model card (README.md; an existing one is kept, as huggingface_hub's mixins do), and with
+        `push_to_hub=True` an upload to `repo_id` (default: the directory's name; `push_to_hub_kwargs` go to
+        `push_to_hub`). Returns the commit URL when pushing, else None.
+
+        >>> predictor.save_pretrained("mixtral-hash")                                  # local
+        >>> predictor.save_pretrained("mixtral-hash", push_to_hub=True, repo_id="me/mixtral-hash")
+        """
+        directory = self.save(save_directory)
+        card = directory / MODEL_CARD_NAME
+        if not card.exists():
+            card.write_text(self.model_card(repo_id or str(save_directory)), encoding="utf-8")
+        if push_to_hub:
+            return self.push_to_hub(repo_id or directory.name, **push_to_hub_kwargs)
+        return None
+
+    def push_to_hub(self, repo_id: str, *, commit_message: str = "Upload hash predictor", private: bool | None = None,
+                    token: str | bool | None = None, branch: str | None = None, create_pr: bool | None = None) -> str:
+        """Create Hub repo `repo_id` if needed and upload the `save_pretrained` files (weights, config with
+        fingerprint and checksum, model card) in one commit; returns the commit URL.
+
+        >>> predictor.push_to_hub("me/mixtral-hash", private=True)
+        """
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token)
+        repo_id = api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model").repo_id
+        # A fresh directory: only the predictor's files go up, never what else lies beside a local copy.
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp, repo_id=repo_id)
+            return api.upload_folder(repo_id=repo_id, folder_path=tmp, repo_type="model",
+                                     commit_message=commit_message, revision=branch, create_pr=create_pr)
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str | os.PathLike, *, model: nn.Module | None = None,
+                        device: str | torch.device | None = None, revision: str | None = None,
+                        cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
+                        local_files_only: bool | None = None, force_download: bool = False) -> HashPredictor:
+        """Load a predictor from a directory or a Hub repo id (see `resolve_predictor`; `revision`, `cache_dir`,
+        `token`, `local_files_only` (None: HF_HUB_OFFLINE decides), `force_download` are `snapshot_download`'s),
+        with the checks of `load`.
+
+        >>> predictor = HashPredictor.from_pretrained("me/mixtral-hash", model=model)
+        """
+        directory = resolve_predictor(name_or_path, revision=revision, cache_dir=cache_dir, token=token,
+                                      local_files_only=local_files_only, force_download=force_download)
+        return cls._load_directory(directory, model, device)
+
     @classmethod
     def load(cls, directory: str | os.PathLike, model: nn.Module | None = None,
              device: str | torch.device | None = None) -> HashPredictor:
-        """Load a predictor saved by `save`. Missing or corrupt files raise errors naming the file
-        (`FileNotFoundError`, `PredictorFileError`); with `model`, a fingerprint that does not match raises
-        `PredictorMismatchError`. `device`: where the predictor goes (default: the model's embedding device,
-        else CPU)."""
+        """Load a predictor from a directory written by `save`/`save_pretrained`, or from a Hub repo id when
+        `directory` is not an existing directory (`from_pretrained` with default Hub options). A missing predictor
+        raises `PredictorNotFoundError` (a `PredictorFileError` and a `FileNotFoundError`) naming what was looked
+        for; corrupt files `PredictorFileError` naming the file; with `model`, a fingerprint that does not match
+        `PredictorMismatchError`. `device`: where the predictor goes (default: the model's embedding device, else
+        CPU).
+
+        >>> predictor = HashPredictor.load("predictors/mixtral", model=model, device="cpu")
+        """
+        return cls._load_directory(resolve_predictor(directory), model, device)
+
+    @classmethod
+    def _load_directory(cls, directory: Path, model: nn.Module | None,
+                        device: str | torch.device | None) -> HashPredictor:
+        """The checks and loading of `load` on a local directory: both files present, config readable and not
+        newer than this code, weights' sha256 as recorded, fingerprint matching `model`."""
         from safetensors import SafetensorError
         from safetensors.torch import load_file
 
-        directory = Path(directory)
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
         for path in (config_path, weights_path):
             if not path.is_file():
-                raise FileNotFoundError(f"hash predictor file missing: {path} (a predictor directory holds "
-                                        f"{CONFIG_NAME} and {WEIGHTS_NAME}, written by HashPredictor.save)")
+                raise PredictorNotFoundError(f"hash predictor file missing: {path} ({_WHAT_IS_A_PREDICTOR})")
         try:
             with open(config_path, encoding="utf-8") as fh:
                 data = json.load(fh)
@@ -431,6 +512,63 @@ class HashPredictor(nn.Module):
             device = model.get_input_embeddings().weight.device
         return predictor.to(device or "cpu").eval()
 
+    def model_card(self, location: str = "<repo or dir>") -> str:
+        """The model card (README.md) of this predictor: the model it serves (fingerprint), its held-out hit rate
+        if the training record has one, and how to use it from `location` (a repo id or directory).
+
+        >>> print(predictor.model_card("me/mixtral-hash"))
+        """
+        from huggingface_hub import ModelCardData
+
+        c = self.config
+        trained_on = c.training.get("data", {}).get("model")
+        metadata = ModelCardData(library_name=LIBRARY_NAME,
+                                 tags=["mixture-of-experts", "expert-prediction", "sida", "hf-moe-offload"],
+                                 base_model=trained_on if trained_on and is_hub_repo_id(trained_on) else None)
+        auto_class = "AutoModelForSeq2SeqLM" if c.model_type == "switch_transformers" else "AutoModelForCausalLM"
+        source = f"\nTrained on the routing of `{trained_on}`.\n" if trained_on else ""
+        return f"""---
+{metadata.to_yaml()}
+---
+
+# SiDA hash predictor for `{c.model_type}` ({c.num_layers} MoE layers x {c.num_experts} experts)
+
+An hf_moe_offload expert predictor (SiDA's hash function): from a sequence's token embeddings
+it predicts every MoE layer's router logits at once, so offloaded experts load before the forward pass needs them.
+
+## Trained for
+
+| model_type | MoE layers | experts per layer | top-k | hidden size | vocab size |
+|---|---|---|---|---|---|
+| `{c.model_type}` | {c.num_layers} | {c.num_experts} | {c.top_k} | {c.hidden_size} | {c.vocab_size} |
+{source}
+Loading refuses a model whose fingerprint (these fields and the MoE layer names) differs, and weights whose sha256
+differs from the one in `{CONFIG_NAME}`.
+
+## Quality
+
+{_quality_line(c.training)}
+
+## Use
+
+```python
+import hf_moe_offload
+from transformers import {auto_class}
+
+model = {auto_class}.from_pretrained(
+    "{trained_on or '<the model above>'}",
+    offload_policy={{"store": "disk", "expert_cache": "25%", "prefetch": "hash", "predictor": "{location}"}},
+)
+```
+
+or on its own: `HashPredictor.from_pretrained("{location}", model=model)`
+(`from hf_moe_offload.prefetch.hash_predictor import HashPredictor`).
+
+## Files
+
+`{WEIGHTS_NAME}` (weights), `{CONFIG_NAME}` (sizes, fingerprint, weights' sha256, training record).
+"""
+
     def check_model(self, model: nn.Module) -> None:
         """Raise `PredictorMismatchError` unless `model` matches this predictor's fingerprint."""
         check_fingerprint(self.config, model)
@@ -456,3 +594,90 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             digest.update(chunk)
     return digest.hexdigest()
+
+
+def _host_lengths(attention_mask: torch.Tensor | None, batch: int, length: int) -> torch.Tensor:
+    """Valid tokens per row on the CPU, which `pack_padded_sequence` requires: free for no mask or a CPU mask,
+    otherwise the one host sync of a predictor call.
+
+    >>> _host_lengths(torch.tensor([[0, 1, 1], [1, 1, 1]]), 2, 3)
+    tensor([2, 3])
+    """
+    if attention_mask is None:
+        return torch.full((batch,), length, dtype=torch.int64)
+    return attention_mask.to("cpu").bool().sum(dim=1)
+
+
+def _quality_line(training: dict[str, Any]) -> str:
+    """The model card's sentence on the training record's best-epoch metrics (or that there are none)."""
+    metrics = training.get("validation") or {}
+    if "hit_rate" not in metrics:
+        return "No training metrics are recorded in this predictor's config."
+    held_out = training.get("metrics_on", "validation") == "validation"
+    where = "Held-out" if held_out else "Training-set (no held-out split)"
+    recall = (f", top-{metrics['top_k']} recall {metrics['topk_recall']:.4f}"
+              if "topk_recall" in metrics and "top_k" in metrics else "")
+    tokens = f" over {metrics['tokens']} tokens" if "tokens" in metrics else ""
+    epoch = f" (best epoch {training['best_epoch']} of {training['epochs_done']})" if "best_epoch" in training else ""
+    return (f"{where} hit rate (the router's top-1 expert within the predictor's top-{metrics.get('hit_top', 3)}): "
+            f"**{metrics['hit_rate']:.4f}**{recall}{tokens}{epoch}.")
+
+
+def is_hub_repo_id(name: str) -> bool:
+    """Whether `name` reads as a Hub repo id ("owner/name" or "name") rather than a filesystem path.
+
+    >>> is_hub_repo_id("me/mixtral-hash"), is_hub_repo_id("./predictor"), is_hub_repo_id("/tmp/predictor")
+    (True, False, False)
+    """
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    if name.startswith((".", "~")) or os.path.isabs(name) or "\\" in name:
+        return False
+    try:
+        validate_repo_id(name)
+    except HFValidationError:
+        return False
+    return True
+
+
+def resolve_predictor(name_or_path: str | os.PathLike, *, revision: str | None = None,
+                      cache_dir: str | os.PathLike | None = None, token: str | bool | None = None,
+                      local_files_only: bool | None = None, force_download: bool = False) -> Path:
+    """The local directory of a predictor: `name_or_path` itself when it is a directory (it wins over a repo of
+    the same name), else the snapshot of Hub repo `name_or_path` from `snapshot_download` (the cache only when
+    HF_HUB_OFFLINE=1 or `local_files_only`). Raises `PredictorNotFoundError` naming what was looked for.
+
+    >>> resolve_predictor("predictors/mixtral")
+    PosixPath('predictors/mixtral')
+    """
+    name = os.fspath(name_or_path)
+    if os.path.isdir(name):
+        return Path(name)
+    if not is_hub_repo_id(name):
+        raise PredictorNotFoundError(f"hash predictor file missing: {Path(name) / CONFIG_NAME} (no directory "
+                                     f"{name!r}, and it is not a Hub repo id; {_WHAT_IS_A_PREDICTOR})")
+    return _hub_snapshot(name, revision=revision, cache_dir=cache_dir, token=token,
+                         local_files_only=local_files_only, force_download=force_download)
+
+
+def _hub_snapshot(repo_id: str, *, revision: str | None, cache_dir: str | os.PathLike | None,
+                  token: str | bool | None, local_files_only: bool | None, force_download: bool) -> Path:
+    """`snapshot_download` of a predictor repo's two files; any failure becomes a `PredictorNotFoundError` that
+    says where it looked (repo, revision, cache, offline or not) instead of huggingface_hub's traceback."""
+    from huggingface_hub import constants, is_offline_mode, snapshot_download
+    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, token=token,
+                                      local_files_only=bool(local_files_only), force_download=force_download,
+                                      allow_patterns=[CONFIG_NAME, WEIGHTS_NAME], library_name=LIBRARY_NAME))
+    except (OSError, EntryNotFoundError, HFValidationError) as exc:
+        offline = is_offline_mode() or bool(local_files_only)
+        where = f"revision {revision!r} of Hub repo {repo_id!r}" if revision else f"Hub repo {repo_id!r}"
+        how = (f"is not in the cache {cache_dir or constants.HF_HUB_CACHE} and the Hub is off "
+               f"({'HF_HUB_OFFLINE=1' if is_offline_mode() else 'local_files_only=True'})" if offline
+               else "could not be downloaded")
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise PredictorNotFoundError(f"hash predictor not found: {repo_id!r} is not a directory, and {where} {how} "
+                                     f"({type(exc).__name__}: {reason}); {_WHAT_IS_A_PREDICTOR}") from None
