@@ -8,13 +8,15 @@ own. `get_arch(config)` picks one or lists the supported model types.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
-from ..checkpoint import ByteRange, CheckpointError, CheckpointIndex
+from ..checkpoint import CheckpointError, CheckpointIndex
+# The shared shapes live in `layout`; re-exported here for the adapters and older imports.
+from ..layout import (RELEASED_ATTR, ExpertPiece, MoELayer, SlabLayout, alignment_offset,  # noqa: F401
+                      empty_at_alignment, release_parameter, restore_parameter)
 
 if TYPE_CHECKING:
     from ..engine import LayerRuntime
@@ -22,48 +24,6 @@ if TYPE_CHECKING:
 
 class UnsupportedModelError(ValueError):
     """The model has no MoE layers, or its architecture is not supported; the message lists the supported ones."""
-
-
-@dataclass(frozen=True)
-class SlabLayout:
-    """How one expert's tensors sit in its contiguous slab: (name, shape) parts, back to back."""
-
-    parts: tuple[tuple[str, tuple[int, ...]], ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(_numel(shape) for _, shape in self.parts)
-
-    def views(self, slab: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Named views into a flat slab (zero-copy)."""
-        out, start = {}, 0
-        for name, shape in self.parts:
-            n = _numel(shape)
-            out[name] = slab[start:start + n].view(shape)
-            start += n
-        return out
-
-
-@dataclass(frozen=True)
-class ExpertPiece:
-    """A checkpoint byte range that fills rows [row, row + n) of one slab part."""
-
-    part: str
-    row: int
-    source: ByteRange
-
-
-@dataclass
-class MoELayer:
-    """One MoE layer of a built model: its experts module and where that module sits."""
-
-    index: int                     # position among the model's MoE layers
-    name: str                      # module path of the experts module, e.g. "model.layers.3.mlp.experts"
-    module: nn.Module
-    num_experts: int
-    top_k: int
-    layout: SlabLayout
-    extra: dict = field(default_factory=dict)
 
 
 class MoEArch(ABC):
@@ -92,6 +52,11 @@ class MoEArch(ABC):
     @abstractmethod
     def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
         """Give the module real parameters again from per-part tensors stacked over experts [E, ...]."""
+
+    @abstractmethod
+    def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The experts module's `state_dict` entries (names relative to the module) from per-part tensors stacked
+        over experts: what an offloaded model's `state_dict()` and `save_pretrained` write."""
 
     @abstractmethod
     def release_expert_params(self, module: nn.Module) -> None:
@@ -123,6 +88,7 @@ class MoEArch(ABC):
         return True
 
     def find_layers(self, model: nn.Module) -> list[MoELayer]:
+        """The model's MoE layers, in module order (an offloaded model's, as its engine keeps them)."""
         engine = getattr(model, "_hf_moe_offload_engine", None)
         if engine is not None:     # offloaded: some experts modules (Switch) are no longer in the module tree
             return list(engine.layers)
@@ -155,52 +121,6 @@ class MoEArch(ABC):
                 raise CheckpointError(f"checkpoint {index.root} does not hold expert {expert} of {name} "
                                       f"({part}: {filled[part]} of {shape[0]} rows found)")
         return pieces
-
-
-def alignment_offset(t: torch.Tensor) -> int:
-    """Where a CPU tensor starts within a 64-byte line. CPU matmul kernels pick their path by alignment, so a
-    restored parameter must start at the same offset to give bit-identical outputs (mmap'd weights often don't)."""
-    return t.data_ptr() % 64 if t.device.type == "cpu" else 0   # meta tensors: no address, offset 0
-
-
-def empty_at_alignment(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device, offset: int
-                       ) -> torch.Tensor:
-    """`torch.empty`, starting `offset` bytes past a 64-byte boundary (CPU only; elsewhere plain `empty`)."""
-    if device.type != "cpu" or offset == 0 or offset % dtype.itemsize:
-        return torch.empty(shape, dtype=dtype, device=device)
-    nbytes = _numel(shape) * dtype.itemsize
-    buf = torch.empty(nbytes + 64, dtype=torch.uint8)
-    start = (offset - buf.data_ptr()) % 64
-    return buf[start:start + nbytes].view(dtype).view(shape)
-
-
-RELEASED_ATTR = "_hf_moe_offload_released"
-
-
-def release_parameter(module: nn.Module, name: str, key=None) -> None:
-    """Drop a parameter's memory: it becomes None (skipped by `.to()`, `state_dict()`, `parameters()`), and what
-    is needed to give it back (shape, dtype, requires_grad, alignment) is remembered on the module."""
-    p = getattr(module, name)
-    released = module.__dict__.setdefault(RELEASED_ATTR, {})
-    if p is not None:
-        released[key or name] = (tuple(p.shape), p.dtype, p.requires_grad, alignment_offset(p))
-    module.register_parameter(name, None)
-
-
-def restore_parameter(module: nn.Module, name: str, value: torch.Tensor, key=None) -> None:
-    """Give back a parameter released by `release_parameter`, with `value`'s contents, at its old alignment."""
-    _, _, requires_grad, offset = module.__dict__[RELEASED_ATTR].pop(key or name)
-    weight = empty_at_alignment(tuple(value.shape), value.dtype, value.device, offset).copy_(value)
-    module.register_parameter(name, nn.Parameter(weight, requires_grad=requires_grad))
-    if not module.__dict__[RELEASED_ATTR]:
-        del module.__dict__[RELEASED_ATTR]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 def _num_experts(module: nn.Module) -> int:

@@ -87,6 +87,9 @@ class FusedExpertsArch(MoEArch):
         for pname, part in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
             restore_parameter(module, pname, stacked[part])
 
+    def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {"gate_up_proj": stacked["gate_up"], "down_proj": stacked["down"]}
+
     def release_expert_params(self, module: nn.Module) -> None:
         for pname in ("gate_up_proj", "down_proj"):
             release_parameter(module, pname)

@@ -47,6 +47,9 @@ class SwitchArch(MoEArch):
             for part in ("wi", "wo"):
                 restore_parameter(getattr(module[f"expert_{e}"], part), "weight", stacked[part][e])
 
+    def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {f"expert_{e}.{part}.weight": stacked[part][e] for e in range(layer.num_experts) for part in ("wi", "wo")}
+
     def release_expert_params(self, module: nn.Module) -> None:
         for e in range(module.num_experts):
             for part in ("wi", "wo"):
