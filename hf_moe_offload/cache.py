@@ -1,10 +1,14 @@
-"""`ExpertCache`: a fixed number of device slots (the byte budget), LRU or LFU eviction, and pins so an expert that
+"""`ExpertCache`: a fixed number of device slots (the byte budget), an eviction policy, and pins so an expert that
 is loading or computing is never evicted.
 
 `fetch(layer, experts)` yields `(expert, slab)` with the experts already resident first; the missing ones are
-loaded asynchronously meanwhile, as many at once as there are slots free of pins, and yielded as they arrive.
-A slot's pin is dropped when the consumer moves on to the next expert, so a batch that needs more experts than
-the cache holds still runs, in waves.
+loaded asynchronously meanwhile, as many at once as there are slots free of pins, and yielded in the order they
+arrive. A slot's pin is dropped when the consumer moves on to the next expert, so a batch that needs more experts
+than the cache holds still runs, in waves.
+
+One lock serialises every caller (two threads generating on one model take turns per MoE layer), and a load that
+fails leaves nothing behind: its key is evicted and its slot freed before the error reaches the caller, so the
+next fetch reads the expert again.
 
 When the store already lives in the compute device's memory (CPU store, CPU device), there is nothing to move:
 the cache hands out the store's slabs directly ("zero-copy") and allocates no slots.
@@ -13,19 +17,32 @@ the cache hands out the store's slabs directly ("zero-copy") and allocates no sl
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from collections import Counter, OrderedDict
+from collections import OrderedDict
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from .copy_engine import make_copy_engine
+from .eviction import EvictionPolicy, Key, make_eviction
 from .stats import OffloadStats
 from .store import ExpertStore
 
 logger = logging.getLogger(__name__)
 
-Key = tuple[int, int]   # (layer, expert)
+
+@dataclass(eq=False)
+class Slot:
+    """One device slot and what it holds."""
+
+    index: int
+    key: Key | None = None            # the (layer, expert) resident or loading here
+    pins: int = 0                     # consumers that need it to stay
+    load: object | None = None        # the in-flight load (a copy-engine handle), None once landed
+    release: object | None = None     # marker after the compute that last read this slot (a CUDA event)
+    prefetched: bool = False          # brought in by a prefetch and not used yet
 
 
 class ExpertCache:
@@ -36,24 +53,24 @@ class ExpertCache:
         >>> for expert, slab in cache.fetch(layer=0, experts=[1, 5]): ...        # doctest: +SKIP
     """
 
-    def __init__(self, store: ExpertStore, device: torch.device, budget_bytes: int, eviction: str,
-                 stats: OffloadStats):
-        self.store, self.device, self.eviction, self.stats = store, device, eviction, stats
-        self.zero_copy = device.type == "cpu" and store.host_slab(0, 0) is not None
+    def __init__(self, store: ExpertStore, device: torch.device, budget_bytes: int,
+                 eviction: str | EvictionPolicy, stats: OffloadStats):
+        self.store, self.device, self.stats = store, device, stats
+        self.eviction = eviction if isinstance(eviction, EvictionPolicy) else \
+            make_eviction(eviction, num_layers=len(store.layouts))
+        self.zero_copy = device.type == "cpu" and store.in_host_memory
         self.slot_numel = max(lay.numel for lay in store.layouts)
         self.slot_bytes = self.slot_numel * store.dtype.itemsize
         self.num_slots = 0 if self.zero_copy else budget_bytes // self.slot_bytes
         stats.capacity_bytes = self.num_slots * self.slot_bytes
-        self.slots = torch.empty(self.num_slots, self.slot_numel, dtype=store.dtype, device=device)
+        with torch.inference_mode(False):   # a model built under inference mode must still copy into its slots
+            self.memory = torch.empty(self.num_slots, self.slot_numel, dtype=store.dtype, device=device)
         self.copy = None if self.zero_copy else make_copy_engine(store, device)
-        self.where: dict[Key, int] = {}                          # resident or loading key -> slot
-        self.owner: list[Key | None] = [None] * self.num_slots
-        self.release: list[object | None] = [None] * self.num_slots   # compute-done markers (CUDA events)
-        self.pins: Counter[Key] = Counter()
-        self.loading: dict[Key, object] = {}                     # key -> load handle
+        self.slots = [Slot(i) for i in range(self.num_slots)]
+        self.free = self.slots[::-1]                             # a stack: slot 0 is handed out first
+        self.resident: dict[Key, Slot] = {}                      # resident or loading
         self.recency: OrderedDict[Key, None] = OrderedDict()     # least recently used first
-        self.frequency: Counter[Key] = Counter()
-        self.prefetched: set[Key] = set()                        # brought in by a prefetch, not used yet
+        self.lock = threading.RLock()
 
     # -- public -------------------------------------------------------------------------------------------------
 
@@ -62,9 +79,9 @@ class ExpertCache:
         """Yield (expert, flat slab on the device) for each expert, resident ones first.
 
         `on_pinned` runs once this layer's experts are pinned and their loads issued: the moment to prefetch for
-        later layers without evicting anything this layer needs.
+        later layers without evicting anything this layer needs. The cache's lock is held until the generator is
+        exhausted or closed.
         """
-        numel = self.store.layouts[layer].numel
         if self.zero_copy:
             if on_pinned is not None:
                 on_pinned()
@@ -72,44 +89,8 @@ class ExpertCache:
                 self.stats.record_hit(layer)
                 yield e, self.store.host_slab(layer, e)
             return
-        keys = [(layer, e) for e in experts]
-        for k in keys:
-            if k in self.prefetched:
-                self.prefetched.discard(k)
-                self.stats.record_prefetch_hit(layer)
-        resident = [k for k in keys if k in self.where and k not in self.loading]
-        missing = [k for k in keys if k not in resident]
-        for k in resident:
-            self.stats.record_hit(layer)
-            self._pin(k)
-        issued: list[Key] = []
-        try:
-            self._issue(missing, issued)
-            if on_pinned is not None:
-                on_pinned()
-            for k in resident:
-                yield k[1], self.slots[self.where[k]][:numel]
-                self._unpin(k)
-                self._issue(missing, issued)
-            for i in range(len(missing)):
-                if i >= len(issued):      # every slot was pinned by earlier loads: now some are free
-                    self._issue(missing, issued)
-                    if i >= len(issued):
-                        raise RuntimeError(f"expert cache has no free slot for layer {layer} "
-                                           f"({self.num_slots} slots, all pinned)")
-                k = issued[i]
-                self._wait(k)
-                yield k[1], self.slots[self.where[k]][:numel]
-                self._unpin(k)
-                self._issue(missing, issued)
-        finally:
-            # An exception mid-layer: let in-flight loads land, drop our pins; the cache stays consistent.
-            for k in issued:
-                if k in self.loading:
-                    self._wait(k)
-            for k in keys:
-                while self.pins[k] > 0:
-                    self._unpin(k)
+        with self.lock:
+            yield from self._fetch_locked(layer, experts, on_pinned)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading `experts` of `layer` ahead of need, into free slots or slots whose expert is neither in
@@ -117,116 +98,204 @@ class ExpertCache:
         if self.zero_copy:
             return 0
         started = 0
-        for e in experts:
-            k = (layer, e)
-            if k in self.where:
-                continue
-            slot = self._free_slot(layer, for_prefetch=True)
-            if slot is None:
-                break
-            self.where[k] = slot
-            self.owner[slot] = k
-            self.recency[k] = None
-            self.prefetched.add(k)
-            self.loading[k] = self.copy.load(layer, e, self.slots[slot], after=self.release[slot])
-            self.stats.record_prefetch(layer, self.store.slab_bytes(layer))
-            started += 1
-        self.stats.set_resident(self.resident_bytes())
+        with self.lock:
+            for e in experts:
+                key = (layer, e)
+                if key in self.resident:
+                    continue
+                slot = self._free_slot(layer, for_prefetch=True)
+                if slot is None:
+                    break
+                self._load(slot, key, demand=False)
+                slot.prefetched = True
+                self.stats.record_prefetch(layer, self.store.slab_bytes(layer))
+                started += 1
         return started
 
     def resident_bytes(self) -> int:
-        return len(self.where) * self.slot_bytes
+        return len(self.resident) * self.slot_bytes
 
     def close(self) -> None:
-        if self.copy is not None:
-            for k in list(self.loading):
-                self._wait(k)
-            self.copy.close()
-        self.slots = torch.empty(0)
-        self.where.clear()
+        with self.lock:
+            if self.copy is not None:
+                for slot in self.slots:
+                    self._wait_quietly(slot)
+                self.copy.close()
+            self.memory = torch.empty(0)
+            self.resident.clear()
+            self.recency.clear()
 
-    # -- internals ----------------------------------------------------------------------------------------------
+    # -- one fetch, under the lock ------------------------------------------------------------------------------
 
-    def _issue(self, missing: list[Key], issued: list[Key]) -> None:
+    def _fetch_locked(self, layer: int, experts: Sequence[int], on_pinned: Callable[[], None] | None
+                      ) -> Iterator[tuple[int, torch.Tensor]]:
+        numel = self.store.layouts[layer].numel
+        keys = [(layer, e) for e in experts]
+        for key in keys:
+            slot = self.resident.get(key)
+            if slot is not None and slot.prefetched:
+                slot.prefetched = False
+                self.stats.record_prefetch_hit(layer)
+        resident = [k for k in keys if k in self.resident and self.resident[k].load is None]
+        missing = [k for k in keys if k not in resident]
+        pinned: list[Key] = []                   # pins this fetch holds, dropped as it moves on
+        for key in resident:
+            self.stats.record_hit(layer)
+            self._pin(key, pinned)
+        issued: list[Key] = []                   # missing keys with a slot, in issue order
+        try:
+            self._issue(missing, issued, pinned)
+            if on_pinned is not None:
+                on_pinned()
+            for key in resident:
+                yield key[1], self.memory[self.resident[key].index][:numel]
+                self._unpin(key, pinned)
+                self._issue(missing, issued, pinned)
+            for done in range(len(missing)):
+                if done >= len(issued):          # every slot was pinned by earlier loads: now some are free
+                    self._issue(missing, issued, pinned)
+                    if done >= len(issued):
+                        raise RuntimeError(f"expert cache has no free slot for layer {layer} "
+                                           f"({self.num_slots} slots, all pinned)")
+                key = self._first_arrived(issued, done)
+                self._wait(self.resident[key])
+                yield key[1], self.memory[self.resident[key].index][:numel]
+                self._unpin(key, pinned)
+                self._issue(missing, issued, pinned)
+        finally:
+            # Done, or an exception mid-layer: let in-flight loads land, drop our pins; the cache stays consistent.
+            for key in issued:
+                slot = self.resident.get(key)
+                if slot is not None:
+                    self._wait_quietly(slot)
+            for key in list(pinned):
+                self._unpin(key, pinned)
+
+    def _issue(self, missing: list[Key], issued: list[Key], pinned: list[Key]) -> None:
         """Start loads for the next missing experts while a slot can be freed without touching a pin."""
         while len(issued) < len(missing):
-            k = missing[len(issued)]
-            if k in self.where:                   # arrived meanwhile (already loading, e.g. by a prefetch)
-                self.stats.record_hit(k[0])
-                self._pin(k)
-                issued.append(k)
+            key = missing[len(issued)]
+            if key in self.resident:             # arrived meanwhile (already loading, e.g. by a prefetch)
+                self.stats.record_hit(key[0])
+                self._pin(key, pinned)
+                issued.append(key)
                 continue
-            slot = self._free_slot(k[0])
+            slot = self._free_slot(key[0])
             if slot is None:
                 return
-            self.where[k] = slot
-            self.owner[slot] = k
-            self._pin(k)
-            self.loading[k] = self.copy.load(k[0], k[1], self.slots[slot], after=self.release[slot])
-            self.stats.record_miss(k[0], self.store.slab_bytes(k[0]))
-            self.stats.set_resident(self.resident_bytes())
-            issued.append(k)
+            self._load(slot, key, demand=True)
+            self._pin(key, pinned)
+            self.stats.record_miss(key[0], self.store.slab_bytes(key[0]))
+            issued.append(key)
 
-    def _free_slot(self, layer: int, for_prefetch: bool = False) -> int | None:
-        for slot, owner in enumerate(self.owner):
-            if owner is None:
-                return slot
-        self._reap_finished_loads()
+    def _first_arrived(self, issued: list[Key], start: int) -> Key:
+        """Of the issued keys not yet served (`issued[start:]`), the first whose load has landed, else the oldest;
+        moved to position `start` so that served keys stay in front."""
+        for i in range(start, len(issued)):
+            if self._landed(self.resident[issued[i]]):
+                issued[start], issued[i] = issued[i], issued[start]
+                break
+        return issued[start]
+
+    # -- slots ----------------------------------------------------------------------------------------------------
+
+    def _load(self, slot: Slot, key: Key, demand: bool) -> None:
+        slot.key, slot.prefetched = key, False
+        self.resident[key] = slot
+        self.recency[key] = None
+        slot.load = self.copy.load(key[0], key[1], self.memory[slot.index], after=slot.release, demand=demand)
+        self.stats.set_resident(self.resident_bytes())
+
+    def _free_slot(self, layer: int, for_prefetch: bool = False) -> Slot | None:
+        if not self.free:
+            self._reap_finished_loads()
+        if self.free:
+            return self.free.pop()
         victim = self._victim(layer, for_prefetch)
         if victim is None and not for_prefetch:
             # Demand beats prefetch: let an unused prefetch still in flight land, then it may be evicted.
-            in_flight = [k for k in self.loading if self.pins[k] == 0]
+            in_flight = [s for s in self.slots if s.load is not None and s.pins == 0]
             if in_flight:
-                self._wait(in_flight[0])
+                self._wait_quietly(in_flight[0])
+                if self.free:                    # its read failed: the slot is free already
+                    return self.free.pop()
                 victim = self._victim(layer)
         if victim is None:
             return None
-        slot = self.where.pop(victim)
-        self.owner[slot] = None
-        self.recency.pop(victim, None)
-        self.stats.record_eviction(victim[0])
-        if victim in self.prefetched:
-            self.prefetched.discard(victim)
-            self.stats.record_prefetch_wasted(victim[0])
-        return slot
+        self.stats.record_eviction(victim.key[0])
+        if victim.prefetched:
+            self.stats.record_prefetch_wasted(victim.key[0])
+        self._forget(victim)
+        return victim
+
+    def _victim(self, layer: int, for_prefetch: bool = False) -> Slot | None:
+        """Which unpinned, landed expert leaves to make room for one of `layer`."""
+        candidates = [k for k in self.recency if self._evictable(self.resident[k], for_prefetch)]
+        if not candidates:
+            return None
+        return self.resident[self.eviction.choose(candidates, layer)]
+
+    @staticmethod
+    def _evictable(slot: Slot, for_prefetch: bool) -> bool:
+        return slot.pins == 0 and slot.load is None and not (for_prefetch and slot.prefetched)
+
+    def _forget(self, slot: Slot) -> None:
+        """The slot no longer holds its key (its memory may still be read by queued compute: `release` stays)."""
+        del self.resident[slot.key]
+        self.recency.pop(slot.key, None)
+        slot.key, slot.pins, slot.load, slot.prefetched = None, 0, None, False
 
     def _reap_finished_loads(self) -> None:
         """Prefetched loads that nobody waited for yet: once landed, their slots are ordinary residents."""
-        for k in [k for k, handle in self.loading.items() if self.pins[k] == 0 and handle.done()]:
-            self.loading.pop(k).wait()   # surfaces a failed read; no blocking, the load is done
+        for slot in self.slots:
+            if slot.load is not None and slot.pins == 0 and self._landed(slot):
+                self._wait_quietly(slot)
 
-    def _victim(self, layer: int, for_prefetch: bool = False) -> Key | None:
-        """Which unpinned, landed expert leaves to make room for one of `layer` (candidates are in LRU order)."""
-        candidates = [k for k in self.recency if self.pins[k] == 0 and k not in self.loading
-                      and not (for_prefetch and k in self.prefetched)]
-        if not candidates:
-            return None
-        if self.eviction == "lfu":   # least frequently used; the least recent among equals
-            return min(candidates, key=lambda k: self.frequency[k])
-        if self.eviction == "layer":
-            # Layers run in a cycle (decode), so the expert needed furthest in the future belongs to the layer that
-            # comes up last: this one (its next use is the next token), then the one before, ...; LRU among equals.
-            n = len(self.store.layouts)
-            return max(candidates, key=lambda k: (k[0] - layer - 1) % n)
-        return candidates[0]
+    @staticmethod
+    def _landed(slot: Slot) -> bool:
+        try:
+            return slot.load.done()
+        except Exception:   # a failed load is finished too; `wait` reports it
+            return True
 
-    def _wait(self, key: Key) -> None:
-        handle = self.loading.pop(key, None)
-        if handle is not None:
-            start = time.perf_counter()
-            handle.wait()
-            self.stats.record_stall(key[0], time.perf_counter() - start)
+    def _wait(self, slot: Slot) -> None:
+        """Wait for the slot's load; on failure evict its key and free the slot, then re-raise."""
+        load = slot.load
+        if load is None:
+            return
+        start = time.perf_counter()
+        try:
+            load.wait()
+        except BaseException:
+            self._forget(slot)
+            self.free.append(slot)
+            self.stats.set_resident(self.resident_bytes())
+            raise
+        slot.load = None
+        self.stats.record_stall(slot.key[0], time.perf_counter() - start)
 
-    def _pin(self, key: Key) -> None:
-        self.pins[key] += 1
-        self.frequency[key] += 1
+    def _wait_quietly(self, slot: Slot) -> None:
+        """`_wait` for cleanup paths and prefetches: a failure is logged, the slot freed, nothing raised (the
+        next fetch of that expert reads it again and reports its error)."""
+        key = slot.key
+        try:
+            self._wait(slot)
+        except Exception as err:
+            logger.warning("hf_moe_offload: loading expert %s of MoE layer %s failed (%s); it will be read again "
+                           "when next needed", key[1] if key else "?", key[0] if key else "?", err)
+
+    def _pin(self, key: Key, pinned: list[Key]) -> None:
+        self.resident[key].pins += 1
+        pinned.append(key)
+        self.eviction.on_use(key)
         self.recency[key] = None
         self.recency.move_to_end(key)
 
-    def _unpin(self, key: Key) -> None:
-        self.pins[key] -= 1
-        if self.pins[key] <= 0:
-            del self.pins[key]
-            slot = self.where.get(key)
-            if slot is not None and self.copy is not None:
-                self.release[slot] = self.copy.release_marker(self.device)
+    def _unpin(self, key: Key, pinned: list[Key]) -> None:
+        pinned.remove(key)
+        slot = self.resident.get(key)
+        if slot is None:                         # its load failed: already evicted
+            return
+        slot.pins -= 1
+        if slot.pins == 0:
+            slot.release = self.copy.release_marker(self.device)

@@ -43,7 +43,8 @@ class CpuCopyEngine:
         workers = 1 if store.host_slab(0, 0) is not None else DISK_READERS
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf_moe_offload_copy")
 
-    def load(self, layer: int, expert: int, slot: torch.Tensor, after: object | None = None) -> CpuLoad:
+    def load(self, layer: int, expert: int, slot: torch.Tensor, after: object | None = None,
+             demand: bool = True) -> CpuLoad:
         return CpuLoad(self._pool.submit(self.store.read_into, layer, expert, slot))
 
     def release_marker(self, device: torch.device) -> None:
@@ -81,7 +82,8 @@ class CudaCopyEngine:
             for _ in range(readers):
                 self._staging.put(torch.empty(numel, dtype=store.dtype, pin_memory=True))
 
-    def load(self, layer: int, expert: int, slot: torch.Tensor, after: torch.cuda.Event | None = None) -> CudaLoad:
+    def load(self, layer: int, expert: int, slot: torch.Tensor, after: torch.cuda.Event | None = None,
+             demand: bool = True) -> CudaLoad:
         host = self.store.host_slab(layer, expert)
         if host is not None:
             return CudaLoad(self.device, event=self._copy(host, slot, after))

@@ -38,6 +38,11 @@ class ExpertStore:
     def total_bytes(self) -> int:
         return sum(self.slab_bytes(i) * n for i, n in enumerate(self.num_experts))
 
+    @property
+    def in_host_memory(self) -> bool:
+        """Whether every slab is in host memory (`host_slab`), rather than read on demand (`read_into`)."""
+        return False
+
     def host_slab(self, layer: int, expert: int) -> torch.Tensor | None:
         """The expert's slab in host memory, or None when it must be read (`read_into`)."""
         return None
@@ -116,6 +121,10 @@ class CpuStore(ExpertStore):
                 for part, tensor in arch.expert_tensors(lay.module, e).items():
                     views[part].copy_(tensor)
         return store
+
+    @property
+    def in_host_memory(self) -> bool:
+        return True
 
     def host_slab(self, layer: int, expert: int) -> torch.Tensor:
         return self.slabs[layer][expert]

@@ -51,14 +51,14 @@ def test_lru_evicts_least_recently_used():
     cache, store = _cache(slots=2)
     for experts in ([0], [1], [0], [2]):     # 1 is the least recently used when 2 arrives
         _run(cache, experts)
-    assert set(k[1] for k in cache.where) == {0, 2}
+    assert set(k[1] for k in cache.resident) == {0, 2}
 
 
 def test_lfu_evicts_least_frequently_used():
     cache, store = _cache(slots=2, eviction="lfu")
     for experts in ([0], [0], [1], [2]):     # 1 was used once, 0 twice
         _run(cache, experts)
-    assert set(k[1] for k in cache.where) == {0, 2}
+    assert set(k[1] for k in cache.resident) == {0, 2}
 
 
 def test_layer_eviction_keeps_what_the_next_layers_need():
@@ -69,7 +69,7 @@ def test_layer_eviction_keeps_what_the_next_layers_need():
         for layer in (0, 1, 2):
             list(cache.fetch(layer, [0]))
         list(cache.fetch(0, [0, 1]))           # (0, 0) is in use; one of layer 1's or layer 2's must go
-        results[policy] = set(cache.where)
+        results[policy] = set(cache.resident)
     assert results["layer"] == {(0, 0), (0, 1), (1, 0)}   # layer 2 comes up last: its expert leaves
     assert results["lru"] == {(0, 0), (0, 1), (2, 0)}     # LRU evicts layer 1's, needed right next
 
@@ -85,7 +85,7 @@ def test_an_expert_in_use_is_never_evicted():
     cache, store = _cache(slots=2)
     gen = cache.fetch(0, [0, 1, 2])
     e, slab = next(gen)                        # expert 0 is being computed now
-    assert (0, 0) in cache.where and cache.pins[(0, 0)] == 1
+    assert (0, 0) in cache.resident and cache.resident[(0, 0)].pins == 1
     assert torch.all(slab == 0)
     rest = [e for e, _ in gen]
     assert rest == [1, 2]
@@ -154,7 +154,7 @@ def test_prefetch_never_evicts_an_expert_in_use_nor_breaks_the_budget():
     gen = cache.fetch(0, [0, 1])
     next(gen)                                 # 0 and 1 are pinned now (0 computing, 1 loading)
     assert cache.prefetch(0, [5]) == 0        # no slot can be taken
-    assert {k[1] for k in cache.where} == {0, 1}
+    assert {k[1] for k in cache.resident} == {0, 1}
     list(gen)
     assert cache.prefetch(0, [5]) == 1        # now an unpinned slot can go
     assert cache.resident_bytes() <= 2 * 64
