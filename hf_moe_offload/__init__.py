@@ -10,11 +10,11 @@ Example:
 
 from __future__ import annotations
 
-import logging
-
+from ._logging import follow_transformers_logging
 from .arch import UnsupportedModelError, supported_model_types
 from .checkpoint import CheckpointError
 from .engine import get_engine
+from .hooks import LayerHook
 from .loading import disable, enable
 from .patch import from_pretrained, install
 from .policy import OffloadPolicy, PolicyError
@@ -22,7 +22,7 @@ from .stats import StatsSnapshot
 
 __version__ = "0.1.0"
 
-logging.getLogger(__name__).addHandler(logging.NullHandler())
+follow_transformers_logging()   # transformers' set_verbosity_* and its handler govern our log lines too
 
 
 def stats(model) -> StatsSnapshot:
@@ -40,5 +40,5 @@ install()
 
 __all__ = [
     "OffloadPolicy", "PolicyError", "CheckpointError", "UnsupportedModelError", "from_pretrained", "enable",
-    "disable", "stats", "supported_model_types", "get_engine",
+    "disable", "stats", "supported_model_types", "get_engine", "LayerHook",
 ]

@@ -1,19 +1,28 @@
-"""`OffloadEngine`: everything hf_moe_offload attaches to one model (store, cache, stats, per-layer runtimes),
-listed in one place so that `detach()` can put the model back exactly as it was.
+"""`OffloadEngine`: everything hf_moe_offload attaches to one model (store, cache, stats, hooks, per-layer
+runtimes), listed in one place so that `detach()` can put the model back exactly as it was.
+
+What the model keeps promising while offloaded:
+- `state_dict()` (and so `save_pretrained` / `push_to_hub`) holds every expert, read back from the store;
+- `.to(...)`, `.half()` and other dtype/device changes that would strand the experts are refused with a clear
+  error instead of failing later;
+- `detach()` reads every expert back before it changes anything: if a read fails, the model stays offloaded and
+  usable.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .arch import MoEArch, MoELayer
+from .arch import MoEArch
 from .cache import ExpertCache
-from .policy import OffloadPolicy
-from .stats import OffloadStats
+from .hooks import HookHandle, LayerHook
+from .layout import MoELayer
+from .policy import OffloadPolicy, PolicyError
+from .stats import OffloadStats, StatsSnapshot
 from .store import ExpertStore
 
 logger = logging.getLogger(__name__)
@@ -28,12 +37,20 @@ class LayerRuntime:
         self.engine, self.layer = engine, layer
 
     def fetch(self, experts: Sequence[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Yield (expert, named weight views on the device), resident experts first."""
-        self.engine.stats.record_forward(self.layer.index, len(experts))
-        prefetcher = self.engine.prefetcher
-        on_pinned = prefetcher.on_layer(self.layer.index) if prefetcher is not None else None
-        for expert, slab in self.engine.cache.fetch(self.layer.index, experts, on_pinned):
+        """Yield (expert, named weight views on the device), resident experts first; close it when done early."""
+        index, hooks = self.layer.index, self.engine.hooks
+        self.engine.stats.record_forward(index, len(experts))
+        for hook in hooks:
+            hook.on_route(index, experts)
+
+        def on_pinned() -> None:
+            for hook in hooks:
+                hook.on_pinned(index)
+
+        for expert, slab in self.engine.cache.fetch(index, experts, on_pinned if hooks else None):
             yield expert, self.layer.layout.views(slab)
+        for hook in hooks:
+            hook.on_layer_done(index)
 
 
 class OffloadEngine:
@@ -52,62 +69,139 @@ class OffloadEngine:
         self.restore_device = restore_device            # where experts go back on detach
         self.moved_resident_from = moved_resident_from  # where the non-expert part was before enable(), if moved
         self.runtimes = [LayerRuntime(self, layer) for layer in layers]
-        self.prefetcher = None    # a HashPrefetcher when the policy names a predictor
+        self.hooks: list[LayerHook] = []
+        self.prefetcher = None    # the HashPrefetcher hook when the policy names a predictor
+        self._state_dict_hooks: list = []
+        self.on_detach: list[Callable[[], None]] = []   # clean-ups owned by whoever attached (e.g. a spill dir)
 
     @classmethod
     def attach(cls, model: nn.Module, policy: OffloadPolicy, arch: MoEArch, layers: list[MoELayer],
                store: ExpertStore, budget_bytes: int, restore_device: torch.device | None = None,
                moved_resident_from: torch.device | None = None) -> "OffloadEngine":
+        """Release the experts' parameters, then allocate the cache (so a model whose experts sat on the device
+        frees them first) and route the experts' forward through it."""
         device = torch.device(policy.device)
-        stats = OffloadStats(num_layers=len(layers))
-        cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats)
-        engine = cls(model, policy, arch, layers, store, cache, stats, restore_device or device, moved_resident_from)
-        for layer, runtime in zip(layers, engine.runtimes):
+        restore_to = restore_device or device
+        for layer in layers:
             arch.release_expert_params(layer.module)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()              # the released experts' blocks, before the cache asks for its own
+        stats = OffloadStats(num_layers=len(layers))
+        try:
+            cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats)
+        except BaseException:                     # e.g. out of device memory: give the experts back, unchanged
+            for layer in layers:
+                arch.set_expert_params(layer.module, read_layer_experts(store, layer, restore_to))
+            raise
+        engine = cls(model, policy, arch, layers, store, cache, stats, restore_to, moved_resident_from)
+        for layer, runtime in zip(layers, engine.runtimes):
             arch.attach(model, layer, runtime)
+        engine._guard_model()
         setattr(model, ENGINE_ATTR, engine)
         logger.info("hf_moe_offload: %d MoE layers offloaded (device=%s, store=%s, %d cache slots%s)", len(layers),
                     policy.device, policy.store, cache.num_slots, ", zero-copy" if cache.zero_copy else "")
         return engine
 
+    # -- hooks and stats --------------------------------------------------------------------------------------------
+
+    def add_hook(self, hook: LayerHook) -> HookHandle:
+        """Call `hook` at every offloaded MoE layer (see `hf_moe_offload.hooks`); `handle.remove()` undoes it."""
+        self.hooks.append(hook)
+        return HookHandle(self.hooks, hook)
+
     def attach_predictor(self, predictor: nn.Module) -> None:
         from .prefetch.hash_runner import HashPrefetcher
 
         self.prefetcher = HashPrefetcher(self, predictor, routing=self.policy.routing)
+        self.add_hook(self.prefetcher)
 
-    def stats_snapshot(self):
-        snap = self.stats.snapshot()
-        if self.prefetcher is not None:
-            snap["predictor_s"] = self.prefetcher.predict_s
-            snap["predictor_wait_s"] = self.prefetcher.wait_s
-        return snap
+    def stats_snapshot(self) -> StatsSnapshot:
+        """The cache's counters and every hook's (e.g. the predictor's timings); `reset()` zeroes them all."""
+        data = dict(self.stats.snapshot())
+        for hook in self.hooks:
+            data.update(hook.stats())
+        return StatsSnapshot(data, self.reset_stats)
+
+    def reset_stats(self) -> None:
+        self.stats.reset()
+        for hook in self.hooks:
+            hook.reset_stats()
+
+    # -- what the model promises while offloaded ----------------------------------------------------------------
+
+    def _guard_model(self) -> None:
+        """state_dict() with the experts; dtype/device changes refused (they would strand the experts)."""
+        for layer in self.layers:
+            in_tree = self.model.get_submodule(layer.name)
+            handle = in_tree.register_state_dict_post_hook(self._experts_into_state_dict(layer))
+            self._state_dict_hooks.append(handle)
+        # An instance attribute shadows nn.Module._apply for this model only; `.to`, `.half`, `.cuda`... go there.
+        self.model._apply = self._guarded_apply
+
+    def _experts_into_state_dict(self, layer: MoELayer):
+        def add_experts(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
+            stacked = read_layer_experts(self.store, layer, torch.device("cpu"))
+            for name, tensor in self.arch.expert_state(layer, stacked).items():
+                state_dict[prefix + name] = tensor
+
+        return add_experts
+
+    def _guarded_apply(self, fn, recurse: bool = True):
+        probe = torch.empty(0, dtype=self.store.dtype, device=self.policy.device)
+        converted = fn(probe)
+        if converted.dtype != probe.dtype or converted.device != probe.device:
+            raise PolicyError(f"this model's experts are offloaded by hf_moe_offload as {self.store.dtype} for "
+                              f"{self.policy.device}; moving it to {converted.device} or casting it to "
+                              f"{converted.dtype} would leave them behind. Call hf_moe_offload.disable(model) "
+                              f"first, or load with the dtype/device you want (offload_policy 'device', "
+                              f"from_pretrained dtype=)")
+        return nn.Module._apply(self.model, fn, recurse)
+
+    # -- detach ---------------------------------------------------------------------------------------------------
 
     def detach(self) -> None:
-        """Give the experts back to the model as parameters and remove everything attached."""
-        if self.prefetcher is not None:
-            self.prefetcher.detach()
-            self.prefetcher = None
+        """Give the experts back to the model as parameters and remove everything attached.
+
+        Every expert is read into host memory first: a failed read raises here and leaves the model offloaded and
+        working. Then the cache is freed before the experts go back to the device, so the two never coexist there.
+        """
+        with torch.inference_mode(False), self.cache.lock:
+            experts = [read_layer_experts(self.store, layer, torch.device("cpu")) for layer in self.layers]
+        for hook in list(self.hooks):
+            hook.close()
+        self.hooks.clear()
+        self.prefetcher = None
+        for handle in self._state_dict_hooks:
+            handle.remove()
+        del self.model._apply
         for layer in self.layers:
             self.arch.detach(self.model, layer)
-            self.arch.set_expert_params(layer.module, self._stacked_experts(layer))
         self.cache.close()
         self.store.close()
+        for layer, stacked in zip(self.layers, experts):
+            on_device = {name: t.to(self.restore_device) for name, t in stacked.items()}
+            self.arch.set_expert_params(layer.module, on_device)
         if self.moved_resident_from is not None:
             move_resident_part(self.model, self.layers, self.moved_resident_from)
+        for cleanup in self.on_detach:
+            cleanup()
         delattr(self.model, ENGINE_ATTR)
 
-    def _stacked_experts(self, layer: MoELayer) -> dict[str, torch.Tensor]:
-        stacked = {name: torch.empty((layer.num_experts, *shape), dtype=self.store.dtype, device=self.restore_device)
-                   for name, shape in layer.layout.parts}
-        buf = torch.empty(layer.layout.numel, dtype=self.store.dtype)
-        for e in range(layer.num_experts):
-            slab = self.store.host_slab(layer.index, e)
-            if slab is None:
-                self.store.read_into(layer.index, e, buf)
-                slab = buf
-            for name, view in layer.layout.views(slab).items():
-                stacked[name][e].copy_(view)
-        return stacked
+
+def read_layer_experts(store: ExpertStore, layer: MoELayer, device: torch.device) -> dict[str, torch.Tensor]:
+    """Every expert of `layer` stacked per slab part ([E, ...] on `device`), read from `store`."""
+    stacked = {name: torch.empty((layer.num_experts, *shape), dtype=store.dtype, device=device)
+               for name, shape in layer.layout.parts}
+    buf = None if store.in_host_memory else torch.empty(layer.layout.numel, dtype=store.dtype)
+    for e in range(layer.num_experts):
+        if buf is None:
+            slab = store.host_slab(layer.index, e)
+        else:
+            store.read_into(layer.index, e, buf)
+            slab = buf
+        for name, view in layer.layout.views(slab).items():
+            stacked[name][e].copy_(view)
+    return stacked
 
 
 def get_engine(model: nn.Module) -> OffloadEngine | None:

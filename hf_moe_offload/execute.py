@@ -6,6 +6,8 @@ Shapes: T = tokens, H = hidden, k = experts per token, E = experts, I = expert i
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -18,10 +20,16 @@ def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, 
     """Rows grouped per expert: `{expert: its row indices}` for the experts that received any row.
 
     `expert_of_row` [R] holds an expert per row, or -1 for a row that goes to none (Switch's capacity drops).
-    One host sync per call (the counts).
+    Exactly one host sync per call: the indices come to the host once and are sorted and counted there (on CUDA,
+    `bincount` alone would sync twice more); the sorted row order goes back to the device in one copy.
     """
-    order = torch.argsort(expert_of_row, stable=True)                                    # [R], -1 rows first
-    counts = torch.bincount(expert_of_row + 1, minlength=num_experts + 1).tolist()       # [1 + E]
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError("hf_moe_offload's offloaded experts cannot be captured in a CUDA graph: which experts "
+                           "run is decided on the host at every step. Generate without CUDA graphs (no "
+                           "torch.compile(mode='reduce-overhead'), no manual capture)")
+    on_host = expert_of_row.cpu()                                                        # the one host sync
+    order = torch.argsort(on_host, stable=True).to(expert_of_row.device, non_blocking=True)   # [R], -1 rows first
+    counts = torch.bincount(on_host + 1, minlength=num_experts + 1).tolist()             # [1 + E]
     rows, start = {}, counts[0]
     for expert, count in enumerate(counts[1:]):
         if count:
@@ -30,6 +38,36 @@ def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, 
     return rows
 
 
+class _NoBackwardThroughOffloadedExperts(torch.autograd.Function):
+    """Identity in the forward; its backward refuses, with the reason, instead of returning wrong gradients (the
+    cache slots the forward read are reused by later layers, and the experts have no parameters to update)."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor) -> torch.Tensor:
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        raise RuntimeError("backward through hf_moe_offload's offloaded experts is not supported: their weights live "
+                           "in a store, not in parameters, so they get no gradient and the input gradients cannot "
+                           "be computed. Train with the experts resident (hf_moe_offload.disable(model)), or run "
+                           "inference under torch.no_grad()")
+
+
+def _expert_compute():
+    """The context the expert loop runs in: no autograd graph over cache slots."""
+    return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
+
+
+def _refuse_backward(output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
+    """Attach a backward that raises when the caller's graph reaches the experts."""
+    if torch.is_grad_enabled() and hidden_states.requires_grad:
+        return _NoBackwardThroughOffloadedExperts.apply(output.requires_grad_(True))
+    return output
+
+
+# Host-side decisions at every step: compiling it (static-cache generate auto-compiles on CUDA) would only recompile.
+@torch.compiler.disable
 def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """`ExpertsInterface` function for fused experts (`self` is e.g. a `MixtralExperts` whose weights are offloaded).
@@ -47,14 +85,16 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     rows_of = group_by_expert(top_k_index.reshape(-1), self.num_experts)   # (token, slot) rows per expert
 
     out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-    weighted = hidden_states.new_empty(num_tokens * k, hidden, dtype=out_dtype)   # [T*k, H], every row written
-    for expert, weights in runtime.fetch(list(rows_of)):
-        rows = rows_of[expert]                                    # [n] rows of this expert
-        x = hidden_states[rows // k]                              # [n, H]
-        h = self._apply_gate(F.linear(x, weights["gate_up"]))     # [n, I]
-        y = F.linear(h, weights["down"])                          # [n, H]
-        weighted[rows] = y * flat_weights[rows, None]
-    return weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)   # [T, H]
+    with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of))) as fetched:
+        weighted = hidden_states.new_empty(num_tokens * k, hidden, dtype=out_dtype)   # [T*k, H], every row written
+        for expert, weights in fetched:
+            rows = rows_of[expert]                                # [n] rows of this expert
+            x = hidden_states[rows // k]                          # [n, H]
+            h = self._apply_gate(F.linear(x, weights["gate_up"]))  # [n, I]
+            y = F.linear(h, weights["down"])                      # [n, H]
+            weighted[rows] = y * flat_weights[rows, None]
+        out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)   # [T, H]
+    return _refuse_backward(out, hidden_states)
 
 
 ExpertsInterface.register(EXPERTS_IMPLEMENTATION, offloaded_experts_forward)
@@ -69,6 +109,7 @@ class OffloadedSwitchExperts(nn.Module):
         self.act = original["expert_0"].act
         self.runtime = runtime
 
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
                 routing_weights: torch.Tensor) -> torch.Tensor:
         # hidden_states [T, H]; selected_experts [T, 1, E] one-hot (all zero where capacity dropped the token);
@@ -76,12 +117,13 @@ class OffloadedSwitchExperts(nn.Module):
         mask = selected_experts[:, 0, :].bool()                   # [T, E]
         assigned = torch.where(mask.any(dim=1), mask.float().argmax(dim=1), -1)   # [T] expert or -1
         tokens_of = group_by_expert(assigned, self.num_experts)
-        out = torch.zeros_like(hidden_states)
-        for expert, weights in self.runtime.fetch(list(tokens_of)):
-            tokens = tokens_of[expert]                            # [n]
-            h = self.act(F.linear(hidden_states[tokens], weights["wi"]))       # [n, F]
-            if h.dtype != weights["wo"].dtype:
-                h = h.to(weights["wo"].dtype)
-            y = F.linear(h, weights["wo"]) * routing_weights[tokens, 0, None]  # [n, H]
-            out.index_add_(0, tokens, y.to(hidden_states.dtype))
-        return out
+        with _expert_compute(), contextlib.closing(self.runtime.fetch(list(tokens_of))) as fetched:
+            out = torch.zeros_like(hidden_states)
+            for expert, weights in fetched:
+                tokens = tokens_of[expert]                        # [n]
+                h = self.act(F.linear(hidden_states[tokens], weights["wi"]))       # [n, F]
+                if h.dtype != weights["wo"].dtype:
+                    h = h.to(weights["wo"].dtype)
+                y = F.linear(h, weights["wo"]) * routing_weights[tokens, 0, None]  # [n, H]
+                out.index_add_(0, tokens, y.to(hidden_states.dtype))
+        return _refuse_backward(out, hidden_states)

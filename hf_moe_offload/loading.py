@@ -12,7 +12,10 @@ is allocated.
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 import threading
+import weakref
 from typing import Any
 
 import torch
@@ -25,8 +28,12 @@ from .arch import MoEArch, MoELayer, get_arch
 from .auto import Footprint, resolve
 from .checkpoint import SAFETENSORS_DTYPES, CheckpointIndex, resolve_checkpoint_dir
 from .engine import OffloadEngine, get_engine, move_resident_part
+from .execute import EXPERTS_IMPLEMENTATION
 from .policy import OffloadPolicy, PolicyError
+from .spill import remove_folder, spill_experts, temporary_folder
 from .store import CpuStore, DiskStore
+
+logger = logging.getLogger(__name__)
 
 _HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "trust_remote_code", "subfolder")
 
@@ -46,6 +53,8 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     if config is None or isinstance(config, str):
         config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path, **hub_kwargs)
     arch = get_arch(config)
+    _warn_if_experts_implementation_requested(kwargs.get("experts_implementation")
+                                              or getattr(config, "_experts_implementation", None))
     index = CheckpointIndex.open(root)
 
     skeleton = _meta_skeleton(model_cls, config, kwargs)
@@ -71,8 +80,12 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     return model
 
 
-def enable(model: PreTrainedModel, policy: Any = "auto") -> PreTrainedModel:
+def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | os.PathLike | None = None
+           ) -> PreTrainedModel:
     """Offload the experts of a model that is already built; `disable(model)` puts everything back.
+
+    With `store="disk"` the experts the model holds now are written to `offload_folder` (a temporary folder when
+    not given, removed on `disable()` or at exit) and read from there: edits made after loading are kept.
 
     Example:
         >>> model = AutoModelForCausalLM.from_pretrained(path)                        # doctest: +SKIP
@@ -94,14 +107,18 @@ def enable(model: PreTrainedModel, policy: Any = "auto") -> PreTrainedModel:
     predictor = _load_predictor(policy, model)
     device = torch.device(resolved.policy.device)
     original_device = expert_params[0].device
-    pieces = None
-    if resolved.policy.store == "disk":
-        root = resolve_checkpoint_dir(model.name_or_path)
-        index = CheckpointIndex.open(root)
-        pieces = _locate_experts(arch, index, layers)
 
-    store = DiskStore(layers, pieces, dtype) if pieces is not None else \
-        CpuStore.from_modules(layers, arch, dtype, pin=device.type == "cuda")
+    folder, own_folder = None, False
+    if resolved.policy.store == "disk":
+        folder, own_folder = (str(offload_folder), False) if offload_folder is not None else (temporary_folder(), True)
+        try:
+            store = DiskStore(layers, spill_experts(layers, arch, dtype, folder), dtype)
+        except BaseException:
+            if own_folder:
+                remove_folder(folder)
+            raise
+    else:
+        store = CpuStore.from_modules(layers, arch, dtype, pin=device.type == "cuda")
     resident_device = next((p.device for n, p in model.named_parameters() if p.device.type != "meta"
                             and not any(n.startswith(lay.name + ".") for lay in layers)), device)
     moved_from = None
@@ -110,6 +127,9 @@ def enable(model: PreTrainedModel, policy: Any = "auto") -> PreTrainedModel:
         moved_from = resident_device
     engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes,
                                   restore_device=original_device, moved_resident_from=moved_from)
+    if own_folder:
+        # The store's files go with the engine: on disable(), or at exit for a model never disabled.
+        engine.on_detach.append(weakref.finalize(engine, remove_folder, folder))
     if predictor is not None:
         engine.attach_predictor(predictor)
     return model
@@ -131,6 +151,14 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype) -> F
     slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
     experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k)
+
+
+def _warn_if_experts_implementation_requested(requested: str | None) -> None:
+    """Auto classes fold `experts_implementation=` into the config, so both places are looked at."""
+    if requested not in (None, EXPERTS_IMPLEMENTATION):
+        logger.warning("hf_moe_offload: experts_implementation=%r is not used while the experts are offloaded: they "
+                       "run through hf_moe_offload's own implementation (%r); disable(model) restores yours",
+                       requested, EXPERTS_IMPLEMENTATION)
 
 
 def _load_predictor(policy: OffloadPolicy, model: nn.Module):
@@ -181,6 +209,8 @@ def _device_map(skeleton: nn.Module, layers: list[MoELayer], device: torch.devic
 
 _in_offloaded_load = threading.local()
 _patch_lock = threading.Lock()
+_patch_users = 0                 # offloaded loads in progress, across threads
+_originals: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
@@ -193,39 +223,60 @@ def _experts_left_unread():
       shards with its pread backend (transformers' own choice on MPS and Windows), which reads only what is asked;
     - accelerate's dispatch would turn the resident part into offloaded hooks because the device map mixes a
       device and "meta": skip it for this thread's load.
-    All are scoped to the call and restored even when it fails; without `offload_policy` nothing changes.
+    The patches are installed by the first offloaded load in progress and removed by the last (loads may run in
+    several threads at once); the backend and dispatch patches act only in a thread whose offloaded load is in
+    progress, so ordinary loads, even concurrent ones, see transformers unchanged.
     """
+    global _patch_users
     with _patch_lock:
-        original_dispatch = modeling_utils.accelerate_dispatch
-        original_materialize = core_model_loading._materialize_copy
-        original_safe_open = modeling_utils.safe_open
-
-        def safe_open(filename, framework, device="cpu", backend=None, **kwargs):
-            if backend == "mmap" and getattr(_in_offloaded_load, "active", False):
-                backend = "pread"
-            return original_safe_open(filename, framework=framework, device=device, backend=backend, **kwargs)
-
-        def dispatch(*args, **kwargs):
-            if getattr(_in_offloaded_load, "active", False):
-                return None
-            return original_dispatch(*args, **kwargs)
-
-        def materialize(tensor, device=None, dtype=None):
-            if device is not None and torch.device(device).type == "meta":
-                shape = tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
-                src = SAFETENSORS_DTYPES.get(tensor.get_dtype()) if hasattr(tensor, "get_dtype") else tensor.dtype
-                return torch.empty(shape, dtype=dtype or src, device="meta")
-            return original_materialize(tensor, device, dtype)
-
-        modeling_utils.accelerate_dispatch = dispatch
-        core_model_loading._materialize_copy = materialize
-        modeling_utils.safe_open = safe_open
+        if _patch_users == 0:
+            _install_load_patches()
+        _patch_users += 1
     _in_offloaded_load.active = True
     try:
         yield
     finally:
         _in_offloaded_load.active = False
         with _patch_lock:
-            modeling_utils.accelerate_dispatch = original_dispatch
-            core_model_loading._materialize_copy = original_materialize
-            modeling_utils.safe_open = original_safe_open
+            _patch_users -= 1
+            if _patch_users == 0:
+                _remove_load_patches()
+
+
+def _offloaded_load_in_this_thread() -> bool:
+    return getattr(_in_offloaded_load, "active", False)
+
+
+def _install_load_patches() -> None:
+    original_dispatch = _originals["accelerate_dispatch"] = modeling_utils.accelerate_dispatch
+    original_materialize = _originals["_materialize_copy"] = core_model_loading._materialize_copy
+    original_safe_open = _originals["safe_open"] = modeling_utils.safe_open
+
+    def safe_open(filename, framework, device="cpu", backend=None, **kwargs):
+        if backend == "mmap" and _offloaded_load_in_this_thread():
+            backend = "pread"
+        return original_safe_open(filename, framework=framework, device=device, backend=backend, **kwargs)
+
+    def dispatch(*args, **kwargs):
+        if _offloaded_load_in_this_thread():
+            return None
+        return original_dispatch(*args, **kwargs)
+
+    def materialize(tensor, device=None, dtype=None):
+        # No thread check here: transformers materialises on worker threads. Only our device maps send checkpoint
+        # tensors to "meta" (an ordinary load never asks to read a tensor onto meta).
+        if device is not None and torch.device(device).type == "meta":
+            shape = tuple(tensor.get_shape()) if hasattr(tensor, "get_shape") else tuple(tensor.shape)
+            src = SAFETENSORS_DTYPES.get(tensor.get_dtype()) if hasattr(tensor, "get_dtype") else tensor.dtype
+            return torch.empty(shape, dtype=dtype or src, device="meta")
+        return original_materialize(tensor, device, dtype)
+
+    modeling_utils.accelerate_dispatch = dispatch
+    core_model_loading._materialize_copy = materialize
+    modeling_utils.safe_open = safe_open
+
+
+def _remove_load_patches() -> None:
+    modeling_utils.accelerate_dispatch = _originals.pop("accelerate_dispatch")
+    core_model_loading._materialize_copy = _originals.pop("_materialize_copy")
+    modeling_utils.safe_open = _originals.pop("safe_open")

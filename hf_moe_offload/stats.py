@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "experts_used",
              "prefetch_issued", "prefetch_hits", "prefetch_wasted")
@@ -20,12 +21,12 @@ PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "exper
 class StatsSnapshot(dict):
     """A plain mapping of the counters at one moment, with `reset()` to zero the live counters."""
 
-    def __init__(self, data: dict, stats: "OffloadStats"):
+    def __init__(self, data: dict, reset: Callable[[], None]):
         super().__init__(data)
-        self._stats = stats
+        self._reset = reset
 
     def reset(self) -> None:
-        self._stats.reset()
+        self._reset()
 
 
 class OffloadStats:
@@ -98,4 +99,4 @@ class OffloadStats:
                 "cache_capacity_bytes": self.capacity_bytes,
                 "per_layer": [{name: self.layer[name][i] for name in PER_LAYER} for i in range(self.num_layers)],
             }
-        return StatsSnapshot(data, self)
+        return StatsSnapshot(data, self.reset)

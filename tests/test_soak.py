@@ -1,0 +1,57 @@
+"""Long runs stay flat: 10,000 generated tokens without growing memory, threads or open files; offloaded models
+dropped without `disable()` give their files and threads back."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+
+import torch
+
+from conftest import VOCAB, offloaded
+
+DISK = {"device": "cpu", "store": "disk", "expert_cache": "34%"}
+
+
+def _open_files() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _settle() -> tuple[int, int, int]:
+    gc.collect()
+    return _rss_bytes(), threading.active_count(), _open_files()
+
+
+def test_ten_thousand_tokens_keep_rss_threads_and_open_files_flat(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], **DISK)
+    ids = torch.randint(3, VOCAB, (1, 8), generator=torch.Generator().manual_seed(0))
+    kwargs = dict(max_new_tokens=100, min_new_tokens=100, do_sample=False, pad_token_id=0)
+    for _ in range(5):                                     # warm-up: allocator pools, thread pools, open shards
+        model.generate(ids, **kwargs)
+    rss, threads, files = _settle()
+    generated = 0
+    for _ in range(100):
+        generated += model.generate(ids, **kwargs).shape[1] - ids.shape[1]
+    rss_after, threads_after, files_after = _settle()
+    assert generated == 10_000
+    assert threads_after == threads
+    assert files_after == files
+    assert rss_after - rss < 32 * 2**20, f"RSS grew by {(rss_after - rss) / 2**20:.1f} MiB over 10,000 tokens"
+
+
+def test_models_dropped_without_disable_give_back_files_and_threads(tiny_models):
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
+    _, threads, files = _settle()
+    for _ in range(10):
+        model = offloaded("mixtral", tiny_models["mixtral"], **DISK)
+        model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)   # opens shards, starts readers
+        del model
+    _, threads_after, files_after = _settle()
+    assert files_after == files
+    assert threads_after <= threads
