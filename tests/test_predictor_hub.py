@@ -1,6 +1,7 @@
 """Sharing a hash predictor like an adapter: save_pretrained / from_pretrained (directory or Hub repo id) /
 push_to_hub, one on-disk format, the checksum and fingerprint checks on every load path. Offline: the Hub is a
-populated cache directory or monkeypatched HfApi methods."""
+populated cache directory or monkeypatched HfApi methods. Also the LSTM state of rows without a valid token (the
+host-sync change of F13 in hash_predictor.py)."""
 
 from __future__ import annotations
 
@@ -177,3 +178,14 @@ def test_a_snapshot_without_predictor_files_names_the_file(hub_cache):
     (snapshot / CONFIG_NAME).unlink()
     with pytest.raises(PredictorNotFoundError, match=rf"hash predictor file missing: .*{COMMIT}.{CONFIG_NAME}"):
         HashPredictor.from_pretrained(REPO_ID)
+
+
+def test_a_row_without_valid_tokens_keeps_or_zeroes_its_lstm_state(predictor):
+    """F13 masks these rows on the device, unconditionally (no host check for them): behaviour unchanged."""
+    emb = torch.randn(2, 4, 32, generator=torch.Generator().manual_seed(2))
+    _, state = predictor.step(emb[:, :3])
+    _, after = predictor.step(emb[:, 3:], torch.tensor([[1], [0]]), state)     # row 1: a padded decode slot
+    for before, now in zip(state.hc, after.hc):
+        assert torch.equal(now[:, 1], before[:, 1]) and not torch.equal(now[:, 0], before[:, 0])
+    _, fresh = predictor.step(emb[:, :3], torch.tensor([[1, 1, 1], [0, 0, 0]]))  # row 1: an all-padding prompt
+    assert not fresh.hc[0][:, 1].any() and not fresh.hc[1][:, 1].any()
