@@ -14,10 +14,11 @@ import pytest
 import torch
 from huggingface_hub import HfApi, constants
 
+import hf_moe_offload
 from hf_moe_offload.prefetch.hash_predictor import (CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HashPredictor,
                                                     PredictorFileError, PredictorMismatchError,
                                                     PredictorNotFoundError, embed)
-from conftest import VOCAB, build_tiny, reference
+from conftest import VOCAB, build_tiny, offloaded, reference
 
 REPO_ID = "someone/tiny-mixtral-hash"
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
@@ -153,6 +154,15 @@ def test_a_repo_id_resolves_offline_from_the_cache(predictor, mixtral, hub_cache
                    HashPredictor.from_pretrained(REPO_ID, revision=COMMIT, cache_dir=hub_cache)):
         assert torch.equal(_predictions(loaded, mixtral), expected)
 
+
+def test_the_policy_takes_a_repo_id(tiny_models, hub_cache):
+    ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    kwargs = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
+    expected = reference("mixtral", tiny_models["mixtral"]).generate(ids, **kwargs)
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%",
+                      prefetch="hash", predictor=REPO_ID)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    assert hf_moe_offload.stats(model)["prefetch_issued"] > 0
 
 def test_a_repo_missing_offline_is_named(hub_cache):
     with pytest.raises(PredictorNotFoundError) as info:
