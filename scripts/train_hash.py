@@ -41,10 +41,10 @@ import torch  # noqa: E402
 from hf_moe_offload.arch import UnsupportedModelError, get_arch  # noqa: E402
 from hf_moe_offload.prefetch.hash_predictor import (HashPredictorConfig, PredictorFileError,  # noqa: E402
                                                     PredictorMismatchError, fingerprint)
-from hf_moe_offload.prefetch.routing_data import (ROUTING_META, DatasetFieldError, EmptyDatasetError,  # noqa: E402
-                                                  RoutingData, collect_routing, load_text_dataset, routing_bytes,
-                                                  tokenize_dataset)
-from hf_moe_offload.prefetch.train import TrainConfig, train_predictor  # noqa: E402
+from hf_moe_offload.training.routing_data import (ROUTING_META, DatasetFieldError, EmptyDatasetError,  # noqa: E402
+                                                 RoutingData, collect_routing, load_text_dataset, routing_bytes,
+                                                 tokenize_dataset)
+from hf_moe_offload.training.train import TrainConfig, train_predictor  # noqa: E402
 
 log = logging.getLogger("train_hash")
 

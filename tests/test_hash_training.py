@@ -15,10 +15,10 @@ from hf_moe_offload.arch import UnsupportedModelError
 from hf_moe_offload.prefetch.hash_predictor import (CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig,
                                                     PredictorFileError, PredictorMismatchError, embed, fingerprint,
                                                     predicted_layers, sparsemax)
-from hf_moe_offload.prefetch.routing_data import (DatasetFieldError, EmptyDatasetError, RoutingData,
-                                                  collect_routing, load_text_dataset, rows_from_ids)
-from hf_moe_offload.prefetch.train import (RoutingMetrics, TrainConfig, distillation_loss, evaluate,
-                                           evaluate_on_texts, train_predictor)
+from hf_moe_offload.training.routing_data import (DatasetFieldError, EmptyDatasetError, RoutingData,
+                                                 collect_routing, load_text_dataset, rows_from_ids)
+from hf_moe_offload.training.train import (RoutingMetrics, TrainConfig, distillation_loss, evaluate,
+                                          evaluate_on_texts, train_predictor)
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"d_model": 32, "lstm_hidden": 32}

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 from torch import nn
-from tqdm.auto import tqdm
 
+from .._logging import progress as progress_bar  # `progress` is a parameter name here
 from ..arch import get_arch
-from .hash_predictor import fingerprint, predicted_layers, renormalizes_topk
+from ..prefetch.hash_predictor import fingerprint, predicted_layers, renormalizes_topk
 
 logger = logging.getLogger(__name__)
 
@@ -259,8 +259,8 @@ def collect_routing(model: nn.Module, rows: TokenizedRows, batch_size: int = 16,
     was_training = model.training
     model.eval()
     try:
-        with RouterTap(model) as tap, torch.no_grad(), tqdm(total=len(rows), unit="seq", desc="router logits",
-                                                             disable=not progress) as bar:
+        with RouterTap(model) as tap, torch.no_grad(), progress_bar(total=len(rows), unit="seq", desc="router logits",
+                                                                     disable=not progress) as bar:
             for start in range(0, len(order), batch_size):
                 idx = order[start:start + batch_size]
                 ids, mask = pad_rows([rows.input_ids[i] for i in idx], pad_id)

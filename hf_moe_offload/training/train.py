@@ -37,9 +37,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from tqdm.auto import tqdm
 
-from .hash_predictor import CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig, embed
+from .._logging import progress as progress_bar  # `progress` is a parameter name here
+from ..prefetch.hash_predictor import CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig, embed
 from .routing_data import (EmptyDatasetError, RoutingData, collect_routing, load_text_dataset, rows_from_ids,
                            tokenize_dataset)
 
@@ -173,8 +173,8 @@ def evaluate(predictor: HashPredictor, embedding: nn.Module, data: RoutingData, 
     pairs = 0
     rows = torch.arange(data.num_rows) if rows is None else torch.as_tensor(rows, dtype=torch.long)
     try:
-        for batch in tqdm(data.batches(rows, batch_size), total=data.num_batches(rows, batch_size), desc="eval",
-                          leave=False, disable=not progress):
+        for batch in progress_bar(data.batches(rows, batch_size), total=data.num_batches(rows, batch_size), desc="eval",
+                                  leave=False, disable=not progress):
             batch = batch.to(predictor.device)
             logits = predictor(embed(embedding, batch.input_ids), batch.attention_mask)
             loss, parts = distillation_loss(logits, batch.teacher, batch.attention_mask, top_t, lambda_ce, tkd)
@@ -289,8 +289,8 @@ def train_predictor(embedding: nn.Module, data: RoutingData, out_dir: str | os.P
         gen = torch.Generator().manual_seed(config.seed * 1000 + epoch)
         total, seen = 0.0, 0
         batches = data.batches(train_rows, config.batch_size, shuffle=True, generator=gen)
-        bar = tqdm(batches, total=data.num_batches(train_rows, config.batch_size), desc=f"epoch {epoch}",
-                   unit="batch", disable=not progress, leave=False)
+        bar = progress_bar(batches, total=data.num_batches(train_rows, config.batch_size), desc=f"epoch {epoch}",
+                           unit="batch", disable=not progress, leave=False)
         for batch in bar:
             emb = embed(embedding, batch.input_ids.to(embedding_device))
             batch = batch.to(device)
