@@ -4,11 +4,17 @@ transformers has no registry for extra `from_pretrained` keywords, so `install()
 `PreTrainedModel.from_pretrained` once: without `offload_policy` the call goes to transformers untouched (the
 package is invisible); with it, the load goes through `hf_moe_offload.loading`. Auto classes forward unknown
 keywords to the model class, so they are covered too.
+
+Loads are serialised while the package is imported: transformers' `from_pretrained` swaps class-level functions
+(`PreTrainedModel.tie_weights`, `init_weights`, torch's init functions) for the duration of a load, so two loads in
+two threads can leave them swapped for good, and every later model loads untied (seen with transformers 5.23: a
+Switch Transformers model then loads with meta embeddings). One lock around every load closes that race.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 from transformers import PreTrainedModel
@@ -16,13 +22,15 @@ from transformers import PreTrainedModel
 from .loading import load_offloaded
 
 _ORIGINAL = PreTrainedModel.from_pretrained.__func__
+_LOAD_LOCK = threading.RLock()   # re-entrant: a load may load sub-models
 
 
 def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, offload_policy: Any = None, **kwargs):
-    if offload_policy is None:
-        return _ORIGINAL(cls, pretrained_model_name_or_path, *model_args, **kwargs)
-    return load_offloaded(cls, pretrained_model_name_or_path, offload_policy, *model_args,
-                          original_from_pretrained=_ORIGINAL, **kwargs)
+    with _LOAD_LOCK:
+        if offload_policy is None:
+            return _ORIGINAL(cls, pretrained_model_name_or_path, *model_args, **kwargs)
+        return load_offloaded(cls, pretrained_model_name_or_path, offload_policy, *model_args,
+                              original_from_pretrained=_ORIGINAL, **kwargs)
 
 
 def install() -> None:
@@ -57,5 +65,6 @@ def from_pretrained(pretrained_model_name_or_path, offload_policy: Any = "auto",
     if hasattr(model_class, "_model_mapping"):   # Auto class: let it pick the concrete class, then our loader runs
         return model_class.from_pretrained(pretrained_model_name_or_path, *model_args,
                                            offload_policy=offload_policy, **kwargs)
-    return load_offloaded(model_class, pretrained_model_name_or_path, offload_policy, *model_args,
-                          original_from_pretrained=_ORIGINAL, **kwargs)
+    with _LOAD_LOCK:
+        return load_offloaded(model_class, pretrained_model_name_or_path, offload_policy, *model_args,
+                              original_from_pretrained=_ORIGINAL, **kwargs)

@@ -91,7 +91,10 @@ def test_concurrent_loads_leave_transformers_unpatched(tiny_models):
     import transformers.core_model_loading as core_model_loading
     import transformers.modeling_utils as modeling_utils
 
-    originals = (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy, modeling_utils.safe_open)
+    from transformers import PreTrainedModel
+
+    originals = (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy, modeling_utils.safe_open,
+                 PreTrainedModel.tie_weights, PreTrainedModel.init_weights)   # the last two transformers swaps itself
     models, errors = [], []
 
     def load(i: int) -> None:
@@ -109,8 +112,8 @@ def test_concurrent_loads_leave_transformers_unpatched(tiny_models):
     for t in threads:
         t.join()
     assert not errors, errors
-    assert (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy,
-            modeling_utils.safe_open) == originals
+    assert (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy, modeling_utils.safe_open,
+            PreTrainedModel.tie_weights, PreTrainedModel.init_weights) == originals
     ids = _ids()
     expected = _generate(reference("mixtral", tiny_models["mixtral"]), ids)
     assert all(torch.equal(_generate(m, ids), expected) for m in models)
