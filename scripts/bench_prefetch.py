@@ -9,7 +9,7 @@ For each model:
    - ``lru``: LRU caching alone, no prefetch;
    - ``layer``: the library default (eviction="layer"), no prefetch;
    - ``hash`` / ``hash_lru``: the hash prefetcher (prefetch="hash") with layer / LRU eviction;
-   - ``oracle`` / ``oracle_lru``: the same prefetch protocol (`LayerRuntime.fetch` -> `prefetcher.on_layer`, the
+   - ``oracle`` / ``oracle_lru``: the same prefetch protocol (a `LayerHook` whose `on_pinned` prefetches the
      next two predicted layers), with a table holding the experts the routers really chose for every forward pass,
      recorded beforehand from an exact run over the same inputs.
    Reported: cache hit rate (hits / (hits + misses)) overall and per layer, demand misses, bytes moved (demand +
@@ -42,7 +42,6 @@ import shlex
 import sys
 import time
 from collections import Counter, defaultdict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +56,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokeni
 
 import hf_moe_offload  # noqa: E402  (adds the offload_policy keyword)
 from hf_moe_offload.engine import get_engine  # noqa: E402
+from hf_moe_offload.hooks import LayerHook  # noqa: E402
 from hf_moe_offload.prefetch.hash_predictor import HashPredictor, predicted_layers  # noqa: E402
 from hf_moe_offload.prefetch.hash_runner import LOOKAHEAD_LAYERS  # noqa: E402
 from hf_moe_offload.training.train import evaluate_on_texts  # noqa: E402
@@ -123,76 +123,46 @@ def generate_all(model, tokenizer, inputs: list[Any], batch_size: int, new_token
     return outputs, seconds, generated
 
 
-class FetchRecorder:
-    """Records every `cache.fetch(layer, experts)` of an offloaded model (what the routers really chose, per forward
-    pass and layer), by shadowing the cache's bound method; `schedule[layer]` is the list of expert lists."""
+class FetchRecorder(LayerHook):
+    """Records every routing decision of an offloaded model (the experts each MoE layer's router chose, per forward
+    pass); `schedule[layer]` is the list of expert lists."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self):
         self.schedule: dict[int, list[list[int]]] = defaultdict(list)
-        self._fetch = engine.cache.fetch
 
-    def __enter__(self) -> FetchRecorder:  # noqa: PYI034
-        def fetch(layer: int, experts, on_pinned=None):
-            self.schedule[layer].append(sorted(int(e) for e in experts))
-            return self._fetch(layer, experts, on_pinned)
-
-        self.engine.cache.fetch = fetch
-        return self
-
-    def __exit__(self, *exc) -> None:
-        del self.engine.cache.fetch
+    def on_route(self, layer: int, experts) -> None:
+        self.schedule[layer].append(sorted(int(e) for e in experts))
 
 
-class OraclePrefetcher:
+class OraclePrefetcher(LayerHook):
     """A prefetcher with the hash prefetcher's protocol and lookahead, whose table is the routers' real choice.
 
-    `on_layer(i)` is called by `LayerRuntime.fetch` once per fetch of layer i, before the cache fetch; the returned
-    callback (run once layer i's experts are pinned) prefetches, for the next `LOOKAHEAD_LAYERS` predicted layers,
-    the experts of their next fetch as recorded in `schedule`. Like the hash prefetcher it never prefetches the first
-    predicted layer of a forward pass, and only the layers the hash predictor covers (`layers`).
+    Once layer i's experts are pinned (`on_pinned`), it prefetches, for the next `LOOKAHEAD_LAYERS` predicted
+    layers, the experts of their next fetch as recorded in `schedule`. Like the hash prefetcher it never prefetches
+    the first predicted layer of a forward pass, and only the layers the hash predictor covers (`layers`). Every
+    real routing decision is compared with the table (`mismatches`).
     """
 
     def __init__(self, engine, schedule: dict[int, list[list[int]]], layers: list[int]):
         self.engine, self.schedule, self.order = engine, schedule, sorted(layers)
         self.calls: Counter[int] = Counter()
         self.mismatches = 0
-        self.predict_s = 0.0          # read by engine.stats_snapshot()
-        self.wait_s = 0.0
 
-    def on_layer(self, layer_index: int) -> Callable[[], None] | None:
-        self.calls[layer_index] += 1
-        if layer_index not in self.order:
-            return None
+    def on_route(self, layer: int, experts) -> None:
+        index = self.calls[layer]
+        self.calls[layer] += 1
+        table = self.schedule.get(layer, [])
+        if index >= len(table) or table[index] != sorted(int(e) for e in experts):
+            self.mismatches += 1
 
-        def prefetch_ahead() -> None:
-            position = self.order.index(layer_index)
-            for ahead in self.order[position + 1:position + 1 + LOOKAHEAD_LAYERS]:
-                upcoming = self.calls[ahead]             # index of that layer's next fetch
-                if upcoming < len(self.schedule[ahead]):
-                    self.engine.cache.prefetch(ahead, self.schedule[ahead][upcoming])
-
-        return prefetch_ahead
-
-    def detach(self) -> None:
-        pass
-
-
-def check_oracle(engine, oracle: OraclePrefetcher) -> FetchRecorder:
-    """Wrap the cache so that every real fetch is compared with the oracle's table (counted in `mismatches`)."""
-    recorder = FetchRecorder(engine)
-    original = recorder._fetch
-
-    def fetch(layer: int, experts, on_pinned=None):
-        index = len(recorder.schedule[layer])
-        recorder.schedule[layer].append(sorted(int(e) for e in experts))
-        table = oracle.schedule.get(layer, [])
-        if index >= len(table) or table[index] != recorder.schedule[layer][-1]:
-            oracle.mismatches += 1
-        return original(layer, experts, on_pinned)
-
-    engine.cache.fetch = fetch
-    return recorder
+    def on_pinned(self, layer: int) -> None:
+        if layer not in self.order:
+            return
+        position = self.order.index(layer)
+        for ahead in self.order[position + 1:position + 1 + LOOKAHEAD_LAYERS]:
+            upcoming = self.calls[ahead]                 # index of that layer's next fetch
+            if upcoming < len(self.schedule[ahead]):
+                self.engine.cache.prefetch(ahead, self.schedule[ahead][upcoming])
 
 
 # -- one cache-level run ------------------------------------------------------------------------------------------
@@ -248,14 +218,12 @@ def run_mode(model_path: Path, tokenizer, inputs: list, mode: str, budget: str, 
     if mode.startswith("oracle"):
         layers = [layer.index for layer in engine.layers if layer.name in oracle_layers]
         oracle = OraclePrefetcher(engine, schedules[key], layers)
-        engine.prefetcher = oracle
-        recorder = check_oracle(engine, oracle)
+        engine.add_hook(oracle)
     elif key not in schedules and not mode.startswith("hash"):
-        recorder = FetchRecorder(engine).__enter__()
+        recorder = FetchRecorder()
+        engine.add_hook(recorder)
     generate_all(model, tokenizer, inputs[:1], 1, 2)                      # warm-up (also replayed by the oracle)
-    engine.stats.reset()
-    if engine.prefetcher is not None and not oracle:
-        engine.prefetcher.predict_s = engine.prefetcher.wait_s = 0.0
+    engine.reset_stats()
     outputs, seconds, tokens = generate_all(model, tokenizer, inputs, batch_size, new_tokens)
     snap = engine.stats_snapshot()
     expert_bytes = engine.cache.slot_bytes
@@ -264,9 +232,7 @@ def run_mode(model_path: Path, tokenizer, inputs: list, mode: str, budget: str, 
                   expert_bytes=expert_bytes, cache_slots=engine.cache.num_slots,
                   tokens_match_unpatched=outputs == reference)
     if recorder is not None:
-        recorder.__exit__()
-        if oracle is None:
-            schedules[key] = dict(recorder.schedule)
+        schedules[key] = dict(recorder.schedule)
     if oracle is not None:
         result["oracle_mismatches"] = oracle.mismatches
     hf_moe_offload.disable(model)

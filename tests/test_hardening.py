@@ -160,6 +160,19 @@ def test_a_failed_disable_leaves_the_model_offloaded_and_working(tiny_models, tm
     assert torch.equal(_generate(model, ids), expected)
 
 
+@pytest.mark.parametrize("how", ["from_pretrained", "enable"])
+def test_a_model_offloaded_under_inference_mode_generates_outside_it(tiny_models, how):
+    """Slots and buffers allocated under inference mode could not be copied into outside it (F2)."""
+    with torch.inference_mode():
+        if how == "from_pretrained":
+            model = offloaded("mixtral", tiny_models["mixtral"], **DISK)
+        else:
+            model = hf_moe_offload.enable(reference("mixtral", tiny_models["mixtral"]), DISK)
+    ids = _ids()
+    with torch.no_grad():
+        assert torch.equal(_generate(model, ids), _generate(reference("mixtral", tiny_models["mixtral"]), ids))
+
+
 # -- clear refusals -------------------------------------------------------------------------------------------------
 
 def test_dtype_and_device_changes_are_refused_and_the_model_keeps_working(tiny_models):

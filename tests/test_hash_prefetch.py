@@ -49,15 +49,15 @@ def test_predicted_routing_uses_only_predicted_experts(tiny_models, predictors):
     model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%",
                       routing="predicted", predictor=predictors["mixtral"])
     engine = hf_moe_offload.get_engine(model)
-    prefetcher, fetch = engine.prefetcher, engine.cache.fetch
+    prefetcher = engine.prefetcher
     requested = []
 
-    def spy(layer, experts, on_pinned=None):
-        table = prefetcher._current()
-        requested.append((set(experts), set(table.experts[prefetcher.axis_of[layer]])))
-        return fetch(layer, experts, on_pinned)
+    class Spy(hf_moe_offload.LayerHook):
+        def on_route(self, layer, experts):
+            table = prefetcher._current()
+            requested.append((set(experts), set(table.experts[prefetcher.axis_of[layer]])))
 
-    engine.cache.fetch = spy
+    engine.add_hook(Spy())
     ids = _ids()
     model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     assert requested and all(used <= predicted for used, predicted in requested)
