@@ -145,15 +145,24 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     return entries
 
 
-def read_into(rng: ByteRange, dst: torch.Tensor, fd: int) -> None:
+def read_into(rng: ByteRange, dst: torch.Tensor, fd: int, bounce: torch.Tensor | None = None) -> None:
     """Fill the contiguous CPU tensor `dst` (same number of elements) with the bytes of `rng` read from `fd` (open
-    on `rng.path`), converting dtype."""
+    on `rng.path`), converting dtype.
+
+    A conversion reads the raw bytes into `bounce` first: a uint8 CPU tensor of at least `rng.nbytes` that the
+    caller reuses across reads (one per reading thread); without one, a buffer is allocated for this read.
+
+    Example:
+        >>> read_into(index.locate("w1", row=3), slab_part, fd, bounce=scratch)   # doctest: +SKIP
+    """
     if dst.dtype == rng.dtype:
         _pread_exact(rng, memoryview(dst.reshape(-1).view(torch.uint8).numpy()), fd)
         return
-    tmp = torch.empty(rng.nbytes, dtype=torch.uint8)
-    _pread_exact(rng, memoryview(tmp.numpy()), fd)
-    dst.copy_(tmp.view(rng.dtype).view(dst.shape))
+    if bounce is None or bounce.numel() < rng.nbytes:
+        bounce = torch.empty(rng.nbytes, dtype=torch.uint8)
+    raw = bounce[:rng.nbytes]
+    _pread_exact(rng, memoryview(raw.numpy()), fd)
+    dst.copy_(raw.view(rng.dtype).view(dst.shape))
 
 
 def _pread_exact(rng: ByteRange, buf: memoryview, fd: int) -> None:

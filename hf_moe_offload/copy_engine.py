@@ -1,10 +1,14 @@
 """Bring one expert slab from the store into a device cache slot, asynchronously.
 
 - `CudaCopyEngine`: copies run on a dedicated CUDA stream from pinned host memory; an event marks each copy's end
-  and the compute stream waits on it (the host does not block). Disk reads go through a worker thread into pinned
-  staging buffers first. Before a slot is overwritten, the copy stream waits for the compute that last read it.
-- `CpuCopyEngine`: the CPU twin, for machines without a GPU: a worker thread fills CPU cache slots, so disk reads
+  and the compute stream waits on it (the host does not block). Disk reads go through reader threads into pinned
+  staging buffers first; a reader waits for its read only, and a staging buffer is reused once the copy out of it
+  has finished. Before a slot is overwritten, the copy stream waits for the compute that last read it.
+- `CpuCopyEngine`: the CPU twin, for machines without a GPU: reader threads fill CPU cache slots, so disk reads
   overlap with expert compute on the CPU.
+
+Both serve demand loads before queued prefetch loads (`load(..., demand=False)`), and a failed read is raised by
+every `wait()` of its handle while the engine goes on serving other loads.
 
 Example:
     >>> engine = make_copy_engine(store, torch.device("cpu"))    # doctest: +SKIP
@@ -13,18 +17,69 @@ Example:
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import queue
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable
 
 import torch
 
-from .store import ExpertStore
+from .store import ExpertStore, HostMemory
 
 # Disk reads of different experts run in parallel: SSDs serve several requests at once far faster than one.
 DISK_READERS = 4
 
 
+class PriorityReaders:
+    """A thread pool that runs demand jobs before queued prefetch jobs, first come first served within each.
+
+    Each submission queues the job on a heap and wakes one worker, which runs the best job queued at that moment.
+    The workers are a `ThreadPoolExecutor`'s: they exit once this object is closed or garbage-collected.
+
+    Example:
+        >>> readers = PriorityReaders(1)
+        >>> readers.submit(lambda: 42, demand=True).result()
+        42
+        >>> readers.close()
+    """
+
+    def __init__(self, workers: int):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf_moe_offload_copy")
+        self._jobs: list[tuple[int, int, Callable[[], Any], Future]] = []
+        self._lock = threading.Lock()
+        self._order = itertools.count()
+
+    def submit(self, job: Callable[[], Any], demand: bool) -> Future:
+        future: Future = Future()
+        with self._lock:
+            heapq.heappush(self._jobs, (0 if demand else 1, next(self._order), job, future))
+        self._pool.submit(_run_best, self._jobs, self._lock)
+        return future
+
+    def close(self) -> None:
+        """Run every queued job, then stop the threads."""
+        self._pool.shutdown(wait=True)
+
+
+def _run_best(jobs: list, lock: threading.Lock) -> None:
+    """Run the highest-priority queued job and settle its future (a module function: workers hold no engine)."""
+    with lock:
+        _, _, job, future = heapq.heappop(jobs)
+    if not future.set_running_or_notify_cancel():
+        return
+    try:
+        result = job()
+    except BaseException as err:   # the waiter re-raises it; the worker stays alive for the next job
+        future.set_exception(err)
+    else:
+        future.set_result(result)
+
+
 class CpuLoad:
+    """Handle of one CPU load: `wait()` blocks until the slot is filled (or raises the read's error)."""
+
     def __init__(self, future: Future):
         self._future = future
 
@@ -32,29 +87,44 @@ class CpuLoad:
         self._future.result()
 
     def done(self) -> bool:
+        """Finished, successfully or not (a failure is raised by `wait`)."""
         return self._future.done()
 
 
 class CpuCopyEngine:
-    """Loads run on worker threads (reads and copies release the GIL, so they overlap with compute)."""
+    """Loads run on reader threads (reads and copies release the GIL, so they overlap with compute).
 
-    def __init__(self, store: ExpertStore):
+    Example:
+        >>> engine = CpuCopyEngine(store)                           # doctest: +SKIP
+        >>> engine.load(0, 3, slot, demand=False).wait()            # doctest: +SKIP
+    """
+
+    def __init__(self, store: ExpertStore, readers: int | None = None):
+        """`readers`: threads reading at once (default: 1 for a host store, `DISK_READERS` for a disk store)."""
         self.store = store
-        workers = 1 if store.host_slab(0, 0) is not None else DISK_READERS
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf_moe_offload_copy")
+        self._readers = PriorityReaders(readers or (1 if store.in_host_memory else DISK_READERS))
 
     def load(self, layer: int, expert: int, slot: torch.Tensor, after: object | None = None,
              demand: bool = True) -> CpuLoad:
-        return CpuLoad(self._pool.submit(self.store.read_into, layer, expert, slot))
+        """Fill `slot` with the expert's slab; `demand=False` (a prefetch) yields to queued demand loads."""
+        return CpuLoad(self._readers.submit(lambda: self.store.read_into(layer, expert, slot), demand))
 
     def release_marker(self, device: torch.device) -> None:
         return None   # compute on the CPU is synchronous: a slot is free as soon as its expert returned
 
+    @property
+    def pinned_bytes(self) -> int:
+        return 0
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        self._readers.close()
 
 
 class CudaLoad:
+    """Handle of one CUDA load: `wait()` makes the caller's current stream wait for the copy (the host waits only
+    for a disk read still running, and raises its error); `done()` is True once the slab is on the device or the
+    read has failed."""
+
     def __init__(self, device: torch.device, event: torch.cuda.Event | None = None, future: Future | None = None):
         self.device, self._event, self._future = device, event, future
 
@@ -63,34 +133,79 @@ class CudaLoad:
         torch.cuda.current_stream(self.device).wait_event(event)   # compute waits, the host does not
 
     def done(self) -> bool:
-        if self._future is not None and not self._future.done():
+        if self._future is None:
+            return self._event.query()
+        if not self._future.done():
             return False
-        event = self._future.result() if self._future is not None else self._event
-        return event.query()
+        return self._future.exception() is not None or self._future.result().query()
+
+
+class StagingBuffers:
+    """Pinned host buffers that disk reads land in before their copy to the device.
+
+    A buffer comes back with the event of the copy out of it; its next user waits for that copy, so a reader
+    never waits for its own copy. FIFO order hands out the buffer whose copy was issued first.
+
+    Example:
+        >>> staging = StagingBuffers(count=5, numel=1 << 20, dtype=torch.bfloat16, memory=memory)  # doctest: +SKIP
+        >>> buffer = staging.acquire(); ...; staging.release(buffer, copy_event)                  # doctest: +SKIP
+    """
+
+    def __init__(self, count: int, numel: int, dtype: torch.dtype, memory: HostMemory):
+        self._free: queue.Queue[tuple[torch.Tensor, torch.cuda.Event | None]] = queue.Queue()
+        for _ in range(count):
+            self._free.put((memory.empty((numel,), dtype), None))
+
+    def acquire(self) -> torch.Tensor:
+        buffer, copied = self._free.get()
+        try:
+            if copied is not None:
+                copied.synchronize()   # the previous copy out of this buffer has finished
+        except BaseException:
+            self._free.put((buffer, copied))
+            raise
+        return buffer
+
+    def release(self, buffer: torch.Tensor, copied: torch.cuda.Event | None) -> None:
+        """Give `buffer` back; `copied`: the event after the copy that reads it (None: no copy was issued)."""
+        self._free.put((buffer, copied))
 
 
 class CudaCopyEngine:
-    """Host-to-device copies on their own stream, ordered against compute by events."""
+    """Host-to-device copies on their own stream, ordered against compute by events.
+
+    Example:
+        >>> engine = CudaCopyEngine(store, torch.device("cuda:1"))               # doctest: +SKIP
+        >>> engine.load(0, 3, slot, after=engine.release_marker(slot.device)).wait()  # doctest: +SKIP
+    """
 
     def __init__(self, store: ExpertStore, device: torch.device, readers: int = DISK_READERS):
+        """`readers`: disk reads at once (a disk store gets `readers + 1` pinned staging buffers of one slab)."""
         self.store, self.device = store, device
-        self.stream = torch.cuda.Stream(device)
-        self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="hf_moe_offload_copy")
-        self._staging: queue.Queue[torch.Tensor] = queue.Queue()
-        if store.host_slab(0, 0) is None:   # disk store: reads land in pinned staging buffers first
+        self._memory = HostMemory(device)
+        self._readers: PriorityReaders | None = None
+        self._staging: StagingBuffers | None = None
+        with torch.cuda.device(device):
+            self.stream = torch.cuda.Stream(device)
+        if not store.in_host_memory:
             numel = max(lay.numel for lay in store.layouts)
-            for _ in range(readers):
-                self._staging.put(torch.empty(numel, dtype=store.dtype, pin_memory=True))
+            # One more buffer than readers: a reader starts its next read while the last copy drains.
+            self._staging = StagingBuffers(readers + 1, numel, store.dtype, self._memory)
+            self._readers = PriorityReaders(readers)
 
     def load(self, layer: int, expert: int, slot: torch.Tensor, after: torch.cuda.Event | None = None,
              demand: bool = True) -> CudaLoad:
+        """Copy the expert's slab into `slot` once the compute behind `after` is done; `demand=False` (a prefetch)
+        yields to queued demand reads."""
         host = self.store.host_slab(layer, expert)
         if host is not None:
             return CudaLoad(self.device, event=self._copy(host, slot, after))
-        return CudaLoad(self.device, future=self._pool.submit(self._read_and_copy, layer, expert, slot, after))
+        future = self._readers.submit(lambda: self._read_and_copy(layer, expert, slot, after), demand)
+        return CudaLoad(self.device, future=future)
 
     def _copy(self, host: torch.Tensor, slot: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
-        with torch.cuda.stream(self.stream):
+        """Issue the copy on the copy stream (under this device, so a reader thread touches no other GPU)."""
+        with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)      # the compute that last read this slot is done
             slot[:host.numel()].copy_(host, non_blocking=True)
@@ -100,15 +215,15 @@ class CudaCopyEngine:
 
     def _read_and_copy(self, layer: int, expert: int, slot: torch.Tensor,
                        after: torch.cuda.Event | None) -> torch.cuda.Event:
-        staging = self._staging.get()
+        """On a reader thread: read into a staging buffer, issue its copy, return at once (the copy's event)."""
+        buffer = self._staging.acquire()
+        copied = None
         try:
-            numel = self.store.layouts[layer].numel
-            self.store.read_into(layer, expert, staging)
-            event = self._copy(staging[:numel], slot, after)
-            event.synchronize()                     # the staging buffer may be reused only after the copy
-            return event
+            self.store.read_into(layer, expert, buffer)
+            copied = self._copy(buffer[:self.store.layouts[layer].numel], slot, after)
+            return copied
         finally:
-            self._staging.put(staging)
+            self._staging.release(buffer, copied)
 
     def release_marker(self, device: torch.device) -> torch.cuda.Event:
         """An event on the compute stream after the work that reads a slot; the next copy into it waits on it."""
@@ -116,9 +231,23 @@ class CudaCopyEngine:
         event.record(torch.cuda.current_stream(device))
         return event
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes pinned for staging (0 for a host store)."""
+        return self._memory.pinned_bytes
+
     def close(self) -> None:
-        self._pool.shutdown(wait=True)
+        """Finish queued reads, let the copies land, then unpin the staging buffers."""
+        if self._readers is not None:
+            self._readers.close()
+        self.stream.synchronize()
+        self._memory.close()
 
 
 def make_copy_engine(store: ExpertStore, device: torch.device) -> CpuCopyEngine | CudaCopyEngine:
+    """The engine for `device`: CUDA stream and events for a CUDA device, reader threads otherwise.
+
+    Example:
+        >>> engine = make_copy_engine(store, torch.device("cuda:0"))   # doctest: +SKIP
+    """
     return CudaCopyEngine(store, device) if device.type == "cuda" else CpuCopyEngine(store)

@@ -2,25 +2,117 @@
 
 - `DiskStore`: experts stay in the checkpoint's safetensors files; `read_into` preads one expert's bytes straight
   into a destination buffer (a pinned staging buffer or a CPU cache slot). Host memory holds no expert.
-- `CpuStore`: every expert in host memory as rows of one [E, slab] tensor per layer, pinned when the device is CUDA,
-  so a slab goes to the device in a single asynchronous copy.
+- `CpuStore`: every expert in host memory as rows of one [E, slab] tensor per layer, page-locked in place when the
+  device is CUDA (`HostMemory`), so a slab goes to the device in a single asynchronous copy.
 
 Example:
-    >>> store = CpuStore.from_reader(DiskStore(layers, pieces, torch.bfloat16), pin=False)   # doctest: +SKIP
-    >>> store.host_slab(layer=0, expert=3).shape                                           # doctest: +SKIP
+    >>> store = CpuStore.from_reader(DiskStore(layers, pieces, torch.bfloat16))                 # doctest: +SKIP
+    >>> store.host_slab(layer=0, expert=3).shape                                              # doctest: +SKIP
+    >>> CpuStore.from_reader(DiskStore(layers, pieces, dtype), device=torch.device("cuda:1"))  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import errno
+import math
+import mmap
 import os
+import resource
 import threading
-from typing import Sequence
+import weakref
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 from tqdm.auto import tqdm
 
-from .arch import ExpertPiece, MoEArch, MoELayer, SlabLayout
 from .checkpoint import read_into
+from .layout import ExpertPiece, MoELayer, SlabLayout
+
+if TYPE_CHECKING:
+    from .arch import MoEArch
+
+# cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.
+PAGE = mmap.PAGESIZE
+
+
+class HostMemory:
+    """Host buffers for one owner, page-locked in place (cudaHostRegister) when a CUDA device is given.
+
+    torch's pinned allocator rounds every request up to a power of two (a 2.63 GiB layer would pin 4 GiB);
+    registering ordinary memory pins the requested bytes rounded to a page. The registration is made under
+    `torch.cuda.device(device)`, so no context appears on another GPU. Buffers are allocated outside inference
+    mode: worker threads and `generate` (no_grad) must be able to write into them. `close()` (or garbage
+    collection) unregisters everything, after the device has finished any copy out of it.
+
+    Example:
+        >>> memory = HostMemory(None)                        # no device: ordinary memory, nothing pinned
+        >>> memory.empty((2, 3), torch.float32).shape, memory.pinned_bytes
+        (torch.Size([2, 3]), 0)
+    """
+
+    def __init__(self, device: torch.device | None):
+        self.device = device
+        self.pinned_bytes = 0
+        # (registered address, the allocation holding it): the memory stays alive until it is unregistered.
+        self._registered: list[tuple[int, torch.Tensor]] = []
+        self._unregister = weakref.finalize(self, _unregister_all, self._registered, device)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor, pinned when this memory has a device."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        with torch.inference_mode(False):
+            if self.device is None or nbytes == 0:
+                return torch.empty(shape, dtype=dtype)
+            size = -(-nbytes // PAGE) * PAGE
+            raw = torch.empty(size + PAGE, dtype=torch.uint8)   # room to start on a page boundary
+            start = -raw.data_ptr() % PAGE
+            _register(raw.data_ptr() + start, size, self.device)
+            self._registered.append((raw.data_ptr() + start, raw))
+            self.pinned_bytes += size
+            return raw[start:start + nbytes].view(dtype).view(shape)
+
+    def close(self) -> None:
+        """Unregister every buffer (they stay valid as ordinary memory while referenced)."""
+        self._unregister()
+        self.pinned_bytes = 0
+
+
+def _register(address: int, nbytes: int, device: torch.device) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+
+
+def _unregister_all(registered: list[tuple[int, torch.Tensor]], device: torch.device | None) -> None:
+    """Unregister after the device is idle: a DMA may still read a slab or staging buffer."""
+    if not registered:
+        return
+    with torch.cuda.device(device):
+        torch.cuda.synchronize(device)
+        results = [torch.cuda.cudart().cudaHostUnregister(address) for address, _ in registered]
+    registered.clear()
+    for result in results:
+        torch.cuda.check_error(result)
+
+
+def pinning_device(pin: bool | None, device: torch.device | None) -> torch.device | None:
+    """The CUDA device under which host memory is pinned, or None for ordinary memory.
+
+    `pin=None` pins exactly when `device` is a CUDA device; `pin=True` without a device pins for the current one.
+
+    Example:
+        >>> pinning_device(None, torch.device("cpu")) is None
+        True
+    """
+    if pin is None:
+        pin = device is not None and device.type == "cuda"
+    if not pin:
+        return None
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        raise ValueError(f"pinned host memory needs a CUDA device, got device={device}; pass a 'cuda:N' device "
+                         f"or pin=False")
+    return device
 
 
 class ExpertStore:
@@ -43,6 +135,11 @@ class ExpertStore:
         """Whether every slab is in host memory (`host_slab`), rather than read on demand (`read_into`)."""
         return False
 
+    @property
+    def pinned_bytes(self) -> int:
+        """Host bytes this store holds page-locked (0 when nothing is pinned)."""
+        return 0
+
     def host_slab(self, layer: int, expert: int) -> torch.Tensor | None:
         """The expert's slab in host memory, or None when it must be read (`read_into`)."""
         return None
@@ -51,11 +148,15 @@ class ExpertStore:
         raise NotImplementedError
 
     def close(self) -> None:
-        pass
+        """Release what the store holds (files, pinned memory); the owner calls it once it is done reading."""
 
 
 class DiskStore(ExpertStore):
-    """Experts read on demand, per expert, from the checkpoint's safetensors files."""
+    """Experts read on demand, per expert, from the checkpoint's safetensors files.
+
+    File descriptors open on first use, are shared by the reader threads, and are closed by `close()` or, for a
+    store dropped without it, when the store is garbage-collected.
+    """
 
     def __init__(self, layers: Sequence[MoELayer], pieces: list[list[list[ExpertPiece]]], dtype: torch.dtype):
         """`pieces[layer][expert]`: where each expert's bytes are (`MoEArch.locate_expert`)."""
@@ -64,57 +165,100 @@ class DiskStore(ExpertStore):
         self.files = sorted({p.source.path for layer in self.pieces for exp in layer for p in exp})
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()   # several reader threads share the file descriptors
+        self._bounce = threading.local()    # per reader thread: raw bytes awaiting dtype conversion
+        # Holds the fd dict, not the store, so that it runs when the store is collected.
+        weakref.finalize(self, _close_fds, self._fds, self._fds_lock)
 
     def read_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
         """Fill the flat CPU tensor `dst` (numel >= slab) with the expert's slab."""
         parts = self.layouts[layer].views(dst[:self.layouts[layer].numel])
         for piece in self.pieces[layer][expert]:
             rows = piece.source.shape[0]
-            read_into(piece.source, parts[piece.part][piece.row:piece.row + rows], self._fd(piece.source.path))
+            bounce = None if piece.source.dtype == self.dtype else self._bounce_buffer(piece.source.nbytes)
+            read_into(piece.source, parts[piece.part][piece.row:piece.row + rows], self._fd(piece.source.path),
+                      bounce)
+
+    def _bounce_buffer(self, nbytes: int) -> torch.Tensor:
+        """This thread's bounce buffer, grown to at least `nbytes` (reused across pieces and experts)."""
+        buffer = getattr(self._bounce, "buffer", None)
+        if buffer is None or buffer.numel() < nbytes:
+            with torch.inference_mode(False):
+                buffer = self._bounce.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer
 
     def _fd(self, path: str) -> int:
         with self._fds_lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = self._fds[path] = os.open(path, os.O_RDONLY)
+                fd = self._fds[path] = _open_shard(path)
             return fd
 
     def close(self) -> None:
-        with self._fds_lock:
-            for fd in self._fds.values():
-                os.close(fd)
-            self._fds.clear()
+        """Close the open files (a later read opens them again)."""
+        _close_fds(self._fds, self._fds_lock)
+
+
+def _open_shard(path: str) -> int:
+    """`os.open(path)` for reading; running out of file descriptors is named as such, with the limit."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except OSError as err:
+        if err.errno != errno.EMFILE:
+            raise
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        raise OSError(errno.EMFILE, f"cannot open checkpoint shard {path}: too many files are open in this process "
+                                    f"(RLIMIT_NOFILE soft limit {soft}, hard limit {hard}); raise the limit "
+                                    f"(`ulimit -n`, resource.setrlimit) or call hf_moe_offload.disable(model) on "
+                                    f"offloaded models no longer used") from err
+
+
+def _close_fds(fds: dict[str, int], lock: threading.Lock) -> None:
+    with lock:
+        for fd in fds.values():
+            os.close(fd)
+        fds.clear()
 
 
 class CpuStore(ExpertStore):
     """All experts in host memory, one [E, slab] tensor per layer (pinned for fast, asynchronous copies)."""
 
-    def __init__(self, slabs: list[torch.Tensor], layouts: Sequence[SlabLayout], dtype: torch.dtype):
+    def __init__(self, slabs: list[torch.Tensor], layouts: Sequence[SlabLayout], dtype: torch.dtype,
+                 memory: HostMemory | None = None):
+        """`memory`: the `HostMemory` the slabs come from, released by `close()` (None: ordinary tensors)."""
         super().__init__(layouts, [s.shape[0] for s in slabs], dtype)
         self.slabs = slabs
+        self.memory = memory if memory is not None else HostMemory(None)
 
     @classmethod
     def allocate(cls, layouts: Sequence[SlabLayout], num_experts: Sequence[int], dtype: torch.dtype,
-                 pin: bool) -> "CpuStore":
-        slabs = [torch.empty(n, lay.numel, dtype=dtype, pin_memory=pin) for lay, n in zip(layouts, num_experts)]
-        return cls(slabs, layouts, dtype)
+                 pin: bool | None = None, device: torch.device | None = None) -> "CpuStore":
+        """Uninitialised slabs, pinned for `device` when it is a CUDA device (see `pinning_device`)."""
+        memory = HostMemory(pinning_device(pin, device))
+        slabs = [memory.empty((n, lay.numel), dtype) for lay, n in zip(layouts, num_experts)]
+        return cls(slabs, layouts, dtype, memory)
 
     @classmethod
-    def from_reader(cls, reader: DiskStore, pin: bool) -> "CpuStore":
+    def from_reader(cls, reader: DiskStore, pin: bool | None = None, device: torch.device | None = None
+                    ) -> "CpuStore":
         """Read every expert from the checkpoint into host memory (progress bar over layers)."""
-        store = cls.allocate(reader.layouts, reader.num_experts, reader.dtype, pin)
+        store = cls.allocate(reader.layouts, reader.num_experts, reader.dtype, pin, device)
         try:
             for layer in tqdm(range(len(store.slabs)), desc="Loading experts into host memory", unit="layer"):
                 for e in range(store.num_experts[layer]):
                     reader.read_into(layer, e, store.slabs[layer][e])
+        except BaseException:
+            store.close()
+            raise
         finally:
             reader.close()
         return store
 
     @classmethod
-    def from_modules(cls, layers: Sequence[MoELayer], arch: MoEArch, dtype: torch.dtype, pin: bool) -> "CpuStore":
+    def from_modules(cls, layers: Sequence[MoELayer], arch: "MoEArch", dtype: torch.dtype,
+                     pin: bool | None = None, device: torch.device | None = None) -> "CpuStore":
         """Copy the experts of a built model into host slabs."""
-        store = cls.allocate([lay.layout for lay in layers], [lay.num_experts for lay in layers], dtype, pin)
+        store = cls.allocate([lay.layout for lay in layers], [lay.num_experts for lay in layers], dtype, pin,
+                             device)
         for lay in layers:
             for e in range(lay.num_experts):
                 views = lay.layout.views(store.slabs[lay.index][e])
@@ -126,8 +270,16 @@ class CpuStore(ExpertStore):
     def in_host_memory(self) -> bool:
         return True
 
+    @property
+    def pinned_bytes(self) -> int:
+        return self.memory.pinned_bytes
+
     def host_slab(self, layer: int, expert: int) -> torch.Tensor:
         return self.slabs[layer][expert]
 
     def read_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
         dst[:self.layouts[layer].numel].copy_(self.slabs[layer][expert])
+
+    def close(self) -> None:
+        """Unpin the slabs (they stay readable as ordinary memory: `disable()` reads them before closing)."""
+        self.memory.close()
