@@ -71,6 +71,9 @@ class ExpertCache:
         self.resident: dict[Key, Slot] = {}                      # resident or loading
         self.recency: OrderedDict[Key, None] = OrderedDict()     # least recently used first
         self.lock = threading.RLock()
+        # On CUDA a wait does not block the host, the compute stream does: stalls are timed there, by an event
+        # pair around each wait, and added to the stats once both events have run.
+        self._device_stalls: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
 
     # -- public -------------------------------------------------------------------------------------------------
 
@@ -264,6 +267,7 @@ class ExpertCache:
         if load is None:
             return
         start = time.perf_counter()
+        before = self._device_event()
         try:
             load.wait()
         except BaseException:
@@ -272,7 +276,31 @@ class ExpertCache:
             self.stats.set_resident(self.resident_bytes())
             raise
         slot.load = None
-        self.stats.record_stall(slot.key[0], time.perf_counter() - start)
+        if before is None:
+            self.stats.record_stall(slot.key[0], time.perf_counter() - start)
+        else:
+            self._device_stalls.append((slot.key[0], before, self._device_event()))
+            if len(self._device_stalls) > 4096:
+                self.settle_stalls(block=False)
+
+    def _device_event(self) -> torch.cuda.Event | None:
+        if self.device.type != "cuda":
+            return None
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def settle_stalls(self, block: bool = True) -> None:
+        """Add the compute stream's measured waits to `stall_s` (CUDA; all of them when `block`, else those done)."""
+        pending = []
+        for layer, before, after in self._device_stalls:
+            if block:
+                after.synchronize()
+            if block or after.query():
+                self.stats.record_stall(layer, before.elapsed_time(after) / 1e3)
+            else:
+                pending.append((layer, before, after))
+        self._device_stalls = pending
 
     def _wait_quietly(self, slot: Slot) -> None:
         """`_wait` for cleanup paths and prefetches: a failure is logged, the slot freed, nothing raised (the

@@ -1,5 +1,9 @@
 """Counters of what moved and what hit, overall and per MoE layer.
 
+- `bytes_to_device`: demand misses plus prefetches, each one expert slab;
+- `stall_s`: how long compute waited for experts to arrive: host time on the CPU; on a GPU, the compute stream's
+  own waits, timed by CUDA events (the host does not block there).
+
 Example:
     >>> s = OffloadStats(num_layers=2, capacity_bytes=1024)
     >>> s.record_miss(0, nbytes=256); s.record_hit(1)

@@ -108,7 +108,7 @@ class OffloadedHFLM(HFLM):
         info["offload_policy"] = {k: _plain(v) for k, v in self.offload_policy.to_dict().items()}
         engine = get_engine(self._model)
         if engine is not None:
-            info["offload_stats"] = {k: _plain(v) for k, v in engine.stats.snapshot().items() if k != "per_layer"}
+            info["offload_stats"] = {k: _plain(v) for k, v in engine.stats_snapshot().items() if k != "per_layer"}
         return info
 
 
