@@ -141,6 +141,12 @@ class OffloadEngine:
             self._state_dict_hooks.append(handle)
         # An instance attribute shadows nn.Module._apply for this model only; `.to`, `.half`, `.cuda`... go there.
         self.model._apply = self._guarded_apply
+        # generate() auto-compiles static-cache decoding on CUDA; the offloaded forward decides on the host at every
+        # step (graph breaks, recompiles), so compiling it only costs time (F5). Restored on detach.
+        config = getattr(self.model, "generation_config", None)
+        if config is not None:
+            self._disable_compile_before = config.disable_compile
+            config.disable_compile = True
 
     def _experts_into_state_dict(self, layer: MoELayer):
         def add_experts(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -178,6 +184,8 @@ class OffloadEngine:
         for handle in self._state_dict_hooks:
             handle.remove()
         del self.model._apply
+        if getattr(self.model, "generation_config", None) is not None:
+            self.model.generation_config.disable_compile = self._disable_compile_before
         for layer in self.layers:
             self.arch.detach(self.model, layer)
         self.cache.close()

@@ -208,6 +208,16 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
+def test_generate_does_not_auto_compile_offloaded_models_and_disable_restores_the_setting(tiny_models):
+    model = reference("mixtral", tiny_models["mixtral"])
+    before = model.generation_config.disable_compile
+    hf_moe_offload.enable(model, DISK)
+    assert model.generation_config.disable_compile is True
+    assert not model._valid_auto_compile_criteria({}, model.generation_config)
+    hf_moe_offload.disable(model)
+    assert model.generation_config.disable_compile == before
+
+
 def test_experts_implementation_next_to_a_policy_is_not_replaced_silently(tiny_models):
     records = _Records()
     logging.getLogger("hf_moe_offload").addHandler(records)
