@@ -7,6 +7,7 @@ Command line (also `scripts/perplexity.py` with the same flags):
 
     $ hf-moe-offload perplexity --model PATH --data heldout.jsonl --text-field text \\
           --policy '{"device": "cpu", "store": "disk", "expert_cache": "25%"}' --out ppl.json
+    $ hf-moe-offload perplexity --model PATH --data heldout.jsonl --store disk --expert_cache 25%  # field flags
     $ hf-moe-offload perplexity --model PATH --data heldout.jsonl --policy none     # the unpatched model
 
 Python:
@@ -38,7 +39,10 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
+
+from .._logging import progress as progress_bar  # `progress` is a parameter name here
+from ..policy import OffloadPolicy, PolicyError
+from .policy_args import given_fields, policy_from_args, policy_parser
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +143,7 @@ def compute_perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str], 
 
     nll = [0.0] * len(texts)
     count = [0] * len(texts)
-    bar = tqdm(total=sum(w.scored for w in todo), unit="tok", desc="perplexity", disable=not progress)
+    bar = progress_bar(total=sum(w.scored for w in todo), unit="tok", desc="perplexity", disable=not progress)
     for start in range(0, len(todo), batch_size):
         batch = todo[start:start + batch_size]
         width = max(len(w.ids) for w in batch)
@@ -210,8 +214,15 @@ def read_texts(data: str, text_field: str = "text", split: str | None = None, li
             raise DataError(f"{data}: expected a .jsonl, .json or .txt file or a saved dataset directory")
         if not path.is_file():
             raise DataError(f"{data}: no such file")
-        ds = datasets.load_dataset(builder, data_files=str(path))
+        if path.stat().st_size == 0:
+            raise DataError(f"{data}: the file is empty; expected texts in field {text_field!r}")
+        try:
+            ds = datasets.load_dataset(builder, data_files=str(path))
+        except datasets.exceptions.DatasetGenerationError as err:
+            raise DataError(f"{data}: not readable as {builder} ({err.__cause__ or err})") from err
     if isinstance(ds, datasets.DatasetDict):
+        if not ds:
+            raise DataError(f"{data}: no rows; expected texts in field {text_field!r}")
         split = split or ("test" if "test" in ds else next(iter(ds)))
         if split not in ds:
             raise DataError(f"{data}: no split {split!r}; splits: {list(ds)}")
@@ -223,15 +234,19 @@ def read_texts(data: str, text_field: str = "text", split: str | None = None, li
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """The flags of `hf-moe-offload perplexity` and `scripts/perplexity.py`."""
+    """The flags of `hf-moe-offload perplexity` and `scripts/perplexity.py`, but the policy's: create the parser
+    with `parents=[policy_parser()]` (`--policy`, `--device`, `--store`, `--expert_cache`, ...).
+
+    Example:
+        >>> parser = add_arguments(argparse.ArgumentParser(parents=[policy_parser()]))
+        >>> parser.parse_args(["--model", "m", "--data", "d.jsonl", "--store", "disk"]).store
+        'disk'
+    """
+    parser.set_defaults(policy="auto")
     parser.add_argument("--model", required=True, help="path (or Hub id) of a causal MoE checkpoint")
     parser.add_argument("--data", required=True, help="a .jsonl/.json/.txt file or a saved dataset directory")
     parser.add_argument("--text-field", default="text", help="field holding the text (default: text)")
     parser.add_argument("--split", default=None, help="dataset split (default: test if present, else the first)")
-    parser.add_argument("--policy", default="auto",
-                        help='offload policy: a preset ("auto", "low-ram"), a JSON object, or "none" for the '
-                             'unpatched model (default: auto)')
-    parser.add_argument("--device", default=None, help='only with --policy none: where to run (default: cpu)')
     parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default: auto)")
     parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: 8)")
     parser.add_argument("--max-length", type=int, default=None, help="window length in tokens (default: model's)")
@@ -245,13 +260,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace, prog: str = "hf-moe-offload perplexity") -> int:
     """Load, score, print `perplexity = ...`, write `--out`; a bad file, field or policy: one error line, status 2."""
-    from ..policy import PolicyError
-
     try:
         return _run(args)
-    except (DataError, PolicyError, json.JSONDecodeError) as err:
+    except (DataError, PolicyError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         return 2
+
+
+def policy_of(args: argparse.Namespace) -> OffloadPolicy | None:
+    """The policy of the parsed flags (`--policy` with the field flags over it), or None for `--policy none`.
+
+    Example:
+        >>> parser = add_arguments(argparse.ArgumentParser(parents=[policy_parser()]))
+        >>> policy_of(parser.parse_args(["--model", "m", "--data", "d", "--policy", "none"])) is None
+        True
+    """
+    if isinstance(args.policy, str) and args.policy.strip().lower() in NO_POLICY:
+        fields = sorted(set(given_fields(args)) - {"device"})
+        if fields:
+            raise PolicyError(f"--policy none runs the unpatched model, which takes no {fields}; allowed with it: "
+                              f"--device")
+        return None
+    return policy_from_args(args, default="auto")
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -259,10 +289,12 @@ def _run(args: argparse.Namespace) -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    policy = policy_of(args)             # a bad policy is refused before the data or the model is read
     texts = read_texts(args.data, args.text_field, args.split, args.limit)
     if not texts:
         raise DataError(f"{args.data}: no non-empty text in field {args.text_field!r}")
-    model, tokenizer = load_model_and_tokenizer(args.model, args.policy, dtype=args.dtype, device=args.device)
+    device = given_fields(args).get("device") if policy is None else None
+    model, tokenizer = load_model_and_tokenizer(args.model, policy, dtype=args.dtype, device=device)
     start = time.perf_counter()
     result = compute_perplexity(model, tokenizer, texts, batch_size=args.batch_size, add_bos=not args.no_bos,
                                 max_length=args.max_length, stride=args.stride)
@@ -290,9 +322,10 @@ def _stats_dict(engine) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `scripts/perplexity.py`."""
-    parser = add_arguments(argparse.ArgumentParser(prog="perplexity", description=__doc__.splitlines()[0]))
+    parser = add_arguments(argparse.ArgumentParser(prog="perplexity", description=__doc__.splitlines()[0],
+                                                   parents=[policy_parser()]))
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("hf_moe_offload").setLevel(logging.INFO)
     return run(args, prog=parser.prog)
 
 

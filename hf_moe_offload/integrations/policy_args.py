@@ -1,4 +1,4 @@
-"""Turn flat `key=value` model arguments (lm-eval's `--model_args`, a CLI's flags) into an `OffloadPolicy`.
+"""Turn flat `key=value` model arguments (lm-eval's `--model_args`) or a CLI's flags into an `OffloadPolicy`.
 
 Accepted keys (every policy field works, including fields added later, because the list comes from
 `OffloadPolicy` itself):
@@ -18,16 +18,30 @@ Example:
     >>> policy = pop_policy_args(args, lm_eval_device="cpu")
     >>> (policy.device, policy.store, policy.expert_cache), sorted(args)
     (('cpu', 'disk', '25%'), ['batch_size', 'pretrained'])
+
+Command lines (`hf-moe-offload demo`, `perplexity`): `policy_parser()` gives `--policy` and one flag per policy
+field (`--store disk --expert_cache 25% --eviction lru`), built by transformers' `HfArgumentParser` from
+`OffloadPolicy`; `policy_from_args` merges the flags given over `--policy`.
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser(parents=[policy_parser()])
+    >>> policy_from_args(parser.parse_args(["--policy", "low-ram", "--eviction", "lru"])).to_dict()["eviction"]
+    'lru'
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import logging
-from collections.abc import Iterable, MutableMapping
+import types
+import typing
+from collections.abc import Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
+from transformers import HfArgumentParser
 
 from ..policy import AUTO, PRESETS, OffloadPolicy, PolicyError, field_names
 
@@ -55,7 +69,7 @@ def pop_policy_args(model_args: MutableMapping[str, Any], *, reserved: Iterable[
     """
     reserved = set(reserved)
     fields = field_names()
-    base = _base_policy(model_args.pop(POLICY_KEY, None))
+    base = policy_fields(model_args.pop(POLICY_KEY, None), source=f"{POLICY_KEY} in model arguments")
 
     unknown = sorted(k for k in model_args if k.startswith(PREFIX) and k not in FOREIGN_PREFIXED
                      and k[len(PREFIX):] not in fields)
@@ -84,8 +98,14 @@ def pop_policy_args(model_args: MutableMapping[str, Any], *, reserved: Iterable[
     return policy
 
 
-def _base_policy(value: Any) -> dict[str, Any]:
-    """The fields of `offload_policy=` (preset name, JSON string, dict, OffloadPolicy or None)."""
+def policy_fields(value: Any, source: str = POLICY_KEY) -> dict[str, Any]:
+    """The fields that a policy value gives (preset name, JSON string, dict, OffloadPolicy or None), validated;
+    `source` names where the value came from in error messages.
+
+    Example:
+        >>> policy_fields('{"store": "disk"}'), policy_fields("low-ram")["store"]
+        ({'store': 'disk'}, 'disk')
+    """
     if value is None:
         return {}
     if isinstance(value, OffloadPolicy):
@@ -96,17 +116,62 @@ def _base_policy(value: Any) -> dict[str, Any]:
             try:
                 value = json.loads(text)
             except json.JSONDecodeError as err:
-                raise PolicyError(f"offload_policy={value!r} is not valid JSON ({err}); give a preset name "
+                raise PolicyError(f"{source}={value!r} is not valid JSON ({err}); give a preset name "
                                   f"{sorted(PRESETS)} or a JSON object with keys {field_names()}") from err
         else:
             value = text
     try:
         policy = OffloadPolicy.from_any(value)
     except PolicyError as err:
-        raise PolicyError(f"bad offload_policy in model arguments: {err}") from err
+        raise PolicyError(f"bad {source}: {err}") from err
     if isinstance(value, dict):
         return dict(value)           # only the fields given, so that "auto" fields stay "auto"
     return policy.to_dict()
+
+
+def policy_parser() -> argparse.ArgumentParser:
+    """A parent parser (`argparse.ArgumentParser(parents=[policy_parser()])`) with `--policy` and one flag per
+    `OffloadPolicy` field, so fields added to the policy get a flag without touching the CLI.
+
+    Flags the user does not give stay out of the namespace (default SUPPRESS): they never override `--policy`.
+    Fields typed `X | str` (`expert_cache: int | str`) are parsed as str, since HfArgumentParser would keep only
+    `X` ("25%" is not an int); the policy itself accepts digit strings as sizes.
+    """
+    original_types = {f.name: f.type for f in dataclasses.fields(OffloadPolicy)}
+    try:
+        parser = HfArgumentParser(OffloadPolicy, add_help=False)
+    finally:
+        # HfArgumentParser rewrites each Field.type in place; OffloadPolicy's own fields must not change.
+        for f in dataclasses.fields(OffloadPolicy):
+            f.type = original_types[f.name]
+    hints = typing.get_type_hints(OffloadPolicy)
+    for action in parser._actions:
+        if action.dest in hints:
+            action.default = argparse.SUPPRESS
+            action.help = (action.help or "").replace("%", "%%")   # argparse %-formats help ("25%")
+            if _is_union_with_str(hints[action.dest]):
+                action.type = str
+    parser.add_argument("--policy", default=None,
+                        help=f"offload policy: a preset {sorted(PRESETS)} or a JSON object; the field flags "
+                             f"override its fields")
+    return parser
+
+
+def _is_union_with_str(hint: Any) -> bool:
+    return typing.get_origin(hint) in (typing.Union, types.UnionType) and str in typing.get_args(hint)
+
+
+def policy_from_args(args: argparse.Namespace, default: Any = None) -> OffloadPolicy:
+    """The validated policy of a namespace parsed with `policy_parser()`: `--policy` (else `default`), with the
+    field flags given on top. A bad value raises `PolicyError` naming the field and what is allowed."""
+    base = policy_fields(args.policy if args.policy is not None else default, source="--policy")
+    return OffloadPolicy.from_any({**base, **given_fields(args)})
+
+
+def given_fields(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
+    """The policy fields given as flags (those absent from the namespace were not given)."""
+    values = vars(args) if isinstance(args, argparse.Namespace) else args
+    return {name: values[name] for name in field_names() if name in values}
 
 
 def device_from_caller(device: str | torch.device) -> str:

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-from tqdm.auto import tqdm
 
+from .._logging import progress as progress_bar  # `progress` is a parameter name here
 from .perplexity import model_device
 
 
@@ -42,7 +42,7 @@ def continuation_logprobs(model: torch.nn.Module, tokenizer, pairs: Sequence[tup
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     scores = [0.0] * len(encoded)
     order = sorted(range(len(encoded)), key=lambda i: -sum(map(len, encoded[i])))
-    for start in tqdm(range(0, len(order), batch_size), desc="scoring", unit="batch", disable=not progress):
+    for start in progress_bar(range(0, len(order), batch_size), desc="scoring", unit="batch", disable=not progress):
         rows = order[start:start + batch_size]
         seqs = [encoded[i][0] + encoded[i][1] for i in rows]
         width = max(map(len, seqs))

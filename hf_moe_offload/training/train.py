@@ -251,7 +251,7 @@ def train_predictor(embedding: nn.Module, data: RoutingData, out_dir: str | os.P
         predictor_config = HashPredictorConfig(**data.fingerprint, renormalize=data.meta.get("renormalize", True),
                                                causal=not data.meta.get("is_encoder_decoder", False))
     _check_data(predictor_config, data)
-    _check_out_dir(out_dir)
+    check_out_dir(out_dir)
 
     train_rows, val_rows = data.split(config.val_fraction, config.seed)
     if train_rows.numel() == 0:
@@ -345,7 +345,7 @@ def save_checkpoint(predictor: HashPredictor, out_dir: str | os.PathLike, traini
     """Write the predictor (and `training_state.pt` if given) to a temp directory beside `out_dir`, then rename it
     into place, so `out_dir` always holds a complete checkpoint (the old one until the new one is complete)."""
     out_dir = Path(out_dir)
-    _check_out_dir(out_dir)
+    check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
     try:
@@ -365,7 +365,19 @@ def save_checkpoint(predictor: HashPredictor, out_dir: str | os.PathLike, traini
     return out_dir
 
 
-def _check_out_dir(out_dir: Path) -> None:
+def holds_checkpoint(out_dir: str | os.PathLike) -> bool:
+    """Whether `out_dir` holds any file of a predictor checkpoint (weights, config or training state).
+
+    Example:
+        >>> holds_checkpoint("/nonexistent")
+        False
+    """
+    out_dir = Path(out_dir)
+    return out_dir.is_dir() and any((out_dir / name).exists() for name in _OWN_FILES)
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse an `out_dir` that is a file or holds files other than a checkpoint's (they would be replaced)."""
     if out_dir.exists():
         if not out_dir.is_dir():
             raise FileExistsError(f"{out_dir} exists and is not a directory")
