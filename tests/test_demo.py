@@ -1,23 +1,64 @@
-"""The README's demo: the embedded trained model generates the same text with and without offloading; "auto"
-plans a policy on this machine and logs it in one line."""
+"""The README's demo: the embedded trained model generates the same text with and without offloading, both runs
+timed alike; a bad policy is refused before anything loads; "auto" plans a policy on this machine and logs it in
+one line."""
 
 from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
-from transformers import AutoModelForCausalLM
+import transformers
+from transformers import AutoModelForCausalLM, GenerationMixin
 
 import hf_moe_offload
 from hf_moe_offload.cli import main
-from hf_moe_offload.demo import DEMO_MODEL
+from hf_moe_offload.demo import DEMO_MODEL, WARMUP_TOKENS, run_demo
+from hf_moe_offload.policy import PolicyError
 
 
-def test_demo_command_shows_identical_text(capsys):
+def test_demo_command_shows_identical_text_and_the_plan(capsys, caplog):
+    verbosity = transformers.logging.get_verbosity()
     assert main(["demo", "--max-new-tokens", "6"]) == 0
     out = capsys.readouterr().out
     assert "same tokens as without offloading: yes" in out
     assert "tokens/s" in out and "misses" in out
+    # the package's INFO lines are shown (the CLI sets its level), transformers' own verbosity is untouched
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.INFO]
+    assert any("auto policy: device=cpu" in m for m in logged) and any("MoE layers offloaded" in m for m in logged)
+    assert transformers.logging.get_verbosity() == verbosity
+
+
+def test_demo_refuses_a_bad_policy_before_loading_anything(capsys, monkeypatch):
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded although the policy is bad")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", no_load)
+    assert main(["demo", "--policy", "tape"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "Traceback" not in captured.err
+    assert "unknown offload_policy preset 'tape'; allowed presets: ['auto', 'low-ram']" in captured.err
+    assert captured.out == ""
+    with pytest.raises(PolicyError, match="allowed presets"):
+        run_demo(policy="tape")
+
+
+def test_demo_times_both_runs_alike(monkeypatch, capsys):
+    calls = []
+    generate = GenerationMixin.generate
+
+    def spy(model, *args, **kwargs):
+        calls.append((hf_moe_offload.get_engine(model) is not None, kwargs["max_new_tokens"], str(model.device)))
+        return generate(model, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    result = run_demo(max_new_tokens=6, repeats=2)
+    offloaded = [c[1:] for c in calls if c[0]]
+    resident = [c[1:] for c in calls if not c[0]]
+    # each: one short untimed warm-up, then the same number of full-length timed runs, on the same device
+    assert offloaded == resident == [(WARMUP_TOKENS, "cpu"), (6, "cpu"), (6, "cpu")]
+    assert "one warm-up, mean of 2 runs" in capsys.readouterr().out
+    assert result["identical"] and result["reference_tokens_per_s"] > 0
 
 
 def test_auto_policy_loads_and_logs_its_plan(caplog):
