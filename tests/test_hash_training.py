@@ -1,9 +1,12 @@
-"""SiDA hash predictors: routing collection, training (truncated KD), files, fingerprints, checkpoints, the CLI."""
+"""SiDA hash predictors: routing collection, training (truncated KD), files, fingerprints, checkpoints, the CLI
+(`hf-moe-offload train-hash` and `scripts/train_hash.py`: --out refused before any work when it must not be
+written)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -337,3 +340,83 @@ def test_cli_errors(mixtral_dir, jsonl, tmp_path, capsys):
     assert "'llama' is not supported" in err and "supported model types" in err
     with pytest.raises(UnsupportedModelError):
         fingerprint(LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=48)))
+
+
+# -- `hf-moe-offload train-hash`: --out is checked before any work --------------------------------------------
+
+@pytest.fixture
+def no_collection(monkeypatch):
+    """Fail the test if the command gets as far as reading the dataset or collecting routing."""
+    from hf_moe_offload.training import cli as train_cli
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the command started its work although --out was refused")
+
+    monkeypatch.setattr(train_cli, "load_text_dataset", fail)
+    monkeypatch.setattr(train_cli, "collect_routing", fail)
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_train_hash_refuses_to_overwrite_a_predictor_without_resume(saved_predictor, mixtral_dir, jsonl, tmp_path,
+                                                                    capsys, no_collection):
+    import shutil
+
+    from hf_moe_offload.cli import main
+
+    out = tmp_path / "predictor"
+    shutil.copytree(saved_predictor, out)
+    before = _snapshot(out)
+    assert main(["train-hash", "--model", mixtral_dir, "--dataset", jsonl, "--out", str(out), "--epochs", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"hf-moe-offload train-hash: error: --out {out} already holds a predictor; pass --resume to "
+                   f"continue training it, or --overwrite to replace it\n")
+    assert _snapshot(out) == before
+
+
+def test_train_hash_overwrite_replaces_the_predictor(saved_predictor, mixtral_dir, jsonl, tmp_path, capsys):
+    import shutil
+
+    from hf_moe_offload.cli import main
+
+    out = tmp_path / "predictor"
+    shutil.copytree(saved_predictor, out)
+    before = _snapshot(out)
+    rc = main(["train-hash", "--model", mixtral_dir, "--dataset", jsonl, "--out", str(out), "--overwrite",
+               "--epochs", "1", "--max-samples", "40", "--max-length", "12", "--d-model", "32", "--lstm-hidden", "32",
+               "--no-progress"])
+    assert rc == 0, capsys.readouterr().err
+    assert _snapshot(out) != before
+    training = HashPredictor.load(out).config.training
+    assert training["epochs_done"] == 1 and training["command"].startswith("hf-moe-offload train-hash ")
+
+
+@pytest.mark.parametrize("where", ["under_a_file", "is_a_file"])
+def test_train_hash_refuses_an_unwritable_out_before_collection(where, mixtral_dir, jsonl, tmp_path, capsys,
+                                                                no_collection):
+    from hf_moe_offload.cli import main
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    out = blocker / "predictor" if where == "under_a_file" else blocker
+    assert main(["train-hash", "--model", mixtral_dir, "--dataset", jsonl, "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hf-moe-offload train-hash: error: --out {out}") and err.count("\n") == 1
+    assert "not writable" in err or "not a directory" in err
+    assert blocker.read_text() == "not a directory"
+
+
+@pytest.mark.skipif(not hasattr(os, "geteuid") or os.geteuid() == 0, reason="root writes into read-only folders")
+def test_train_hash_refuses_a_read_only_out(mixtral_dir, jsonl, tmp_path, capsys, no_collection):
+    from hf_moe_offload.cli import main
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        assert main(["train-hash", "--model", mixtral_dir, "--dataset", jsonl, "--out", str(locked / "p")]) == 2
+    finally:
+        locked.chmod(0o700)
+    assert f"--out {locked / 'p'} is not writable" in capsys.readouterr().err
