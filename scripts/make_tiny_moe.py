@@ -60,7 +60,7 @@ import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers  # noqa: E402
-from tqdm.auto import tqdm  # noqa: E402
+from hf_moe_offload._logging import progress as progress_bar  # noqa: E402  (follows transformers' bar switch)
 from tqdm.contrib.logging import logging_redirect_tqdm  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
@@ -337,7 +337,7 @@ def train(
     gen = torch.Generator().manual_seed(seed)
     budget_s = minutes * 60.0
     losses: list[float] = []
-    bar = tqdm(total=steps, desc=desc, dynamic_ncols=True, mininterval=2.0)
+    bar = progress_bar(total=steps, desc=desc, dynamic_ncols=True, mininterval=2.0)
     start = time.perf_counter()
     step = 0
     while True:
