@@ -23,8 +23,8 @@ import weakref
 from typing import TYPE_CHECKING, Sequence
 
 import torch
-from tqdm.auto import tqdm
 
+from ._logging import progress
 from .checkpoint import read_into
 from .layout import ExpertPiece, MoELayer, SlabLayout
 
@@ -79,7 +79,12 @@ class HostMemory:
 
 def _register(address: int, nbytes: int, device: torch.device) -> None:
     with torch.cuda.device(device):
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, 0))
+        result = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+    try:
+        torch.cuda.check_error(result)
+    except torch.cuda.CudaError as err:
+        raise RuntimeError(f"cannot pin {nbytes} bytes of host memory for {device} ({err}): the host may be out of "
+                           f"lockable memory (see `ulimit -l`); use store='disk' or free host memory") from err
 
 
 def _unregister_all(registered: list[tuple[int, torch.Tensor]], device: torch.device | None) -> None:
@@ -243,7 +248,7 @@ class CpuStore(ExpertStore):
         """Read every expert from the checkpoint into host memory (progress bar over layers)."""
         store = cls.allocate(reader.layouts, reader.num_experts, reader.dtype, pin, device)
         try:
-            for layer in tqdm(range(len(store.slabs)), desc="Loading experts into host memory", unit="layer"):
+            for layer in progress(range(len(store.slabs)), desc="Loading experts into host memory", unit="layer"):
                 for e in range(store.num_experts[layer]):
                     reader.read_into(layer, e, store.slabs[layer][e])
         except BaseException:
