@@ -332,8 +332,14 @@ def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
     }
 
 
-def max_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: KiB
+def peak_rss_bytes() -> int:
+    """This process's peak resident set since it started (`VmHWM`). Not `ru_maxrss`: Linux carries that across
+    fork + exec, so a worker would report the parent's peak (the one that built the model) as its own."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024          # kB
+    raise RuntimeError("/proc/self/status has no VmHWM")
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -345,13 +351,13 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     path = Path(spec["checkpoint"])
     ckpt_files = checkpoint_files(path)
     offload_folder = Path(spec["offload_folder"])
-    rss_import = max_rss_bytes()
+    rss_import = peak_rss_bytes()
     if evict:
         evict_from_page_cache(ckpt_files)
     reads0, t0 = proc_read_bytes(), time.perf_counter()
     model, extra_files = load_system(system, path, offload_folder)
     load_s, load_reads = time.perf_counter() - t0, proc_read_bytes() - reads0
-    rss_load = max_rss_bytes()
+    rss_load = peak_rss_bytes()
     evict_files = (ckpt_files + extra_files) if evict else None
     if evict:
         evict_from_page_cache(evict_files)
@@ -377,7 +383,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "warmup_s": warmup_s, "experts_implementation": model.config._experts_implementation,
         **summarize_steps(probe, gen_start, reads_start, batch),
         "tokens": out[:, ids.shape[1]:].tolist(),
-        "rss_after_import_bytes": rss_import, "rss_after_load_bytes": rss_load, "peak_rss_bytes": max_rss_bytes(),
+        "rss_after_import_bytes": rss_import, "rss_after_load_bytes": rss_load, "peak_rss_bytes": peak_rss_bytes(),
     }
     if system == "accelerate":
         result["offload_folder_bytes"] = sum(f.stat().st_size for f in extra_files)
@@ -734,9 +740,20 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     title = (f"{report['model']['bytes_on_disk'] / 1e9:.2f} GB random Mixtral, CPU ({machine['logical_cores']} cores, "
              f"{settings['threads']} torch thread(s)), {mode}, {settings['new_tokens']} new tokens; "
              f"disk {report['disk_bandwidth']['bytes_per_s'] / 1e6:.0f} MB/s")
-    plot(report["results"], title, png_path)
     print(f"\n{title}\n\n{markdown_table(report['results'])}\n")
-    print(f"wrote {json_path} and {png_path} (run took {report['total_wall_s']:.0f} s)")
+    written = [json_path] + ([png_path] if try_plot(report["results"], title, png_path) else [])
+    print(f"wrote {' and '.join(map(str, written))} (run took {report['total_wall_s']:.0f} s)")
+
+
+def try_plot(results: list[dict], title: str, png: Path) -> bool:
+    """Render the PNG if matplotlib is there; without it, one warning line (the JSON holds every measurement)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        log.warning("no plot: matplotlib is not installed; pip install matplotlib (or .[bench]) for the plot")
+        return False
+    plot(results, title, png)
+    return True
 
 
 def main(argv: list[str] | None = None) -> int:
