@@ -73,7 +73,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     layers = arch.find_layers(model)
     dtype = next(layers[0].module.parameters()).dtype   # what transformers chose (meta tensors keep it)
     reader = DiskStore(layers, pieces, dtype)
-    store = CpuStore.from_reader(reader, pin=device.type == "cuda") if resolved.policy.store == "cpu" else reader
+    store = CpuStore.from_reader(reader, device=device) if resolved.policy.store == "cpu" else reader
     engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes)
     if predictor is not None:
         engine.attach_predictor(predictor)
@@ -118,7 +118,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
                 remove_folder(folder)
             raise
     else:
-        store = CpuStore.from_modules(layers, arch, dtype, pin=device.type == "cuda")
+        store = CpuStore.from_modules(layers, arch, dtype, device=device)
     resident_device = next((p.device for n, p in model.named_parameters() if p.device.type != "meta"
                             and not any(n.startswith(lay.name + ".") for lay in layers)), device)
     moved_from = None
