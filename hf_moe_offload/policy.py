@@ -12,8 +12,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any, Mapping
 
 import torch
@@ -23,6 +25,8 @@ STORES = ("cpu", "disk")
 EVICTIONS = ("lru", "lfu", "layer")
 PREFETCHERS = ("none", "hash")
 ROUTINGS = ("router", "predicted")
+DEFAULT_MAX_BATCH_SIZE = 1       # max_batch_size="auto"
+DEFAULT_MAX_SEQ_LEN = 4096       # max_seq_len="auto" caps the model's max_position_embeddings at this
 
 # Preset name -> field overrides applied on top of the defaults (every default is "auto" or a safe choice).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -36,8 +40,14 @@ _UNITS = {
     "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
-_SIZE_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
-_PERCENT_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*%\s*$")
+# Digits only, no exponent: a string's value then has at most as many digits as the string, so exact arithmetic
+# on it stays cheap ("1e999999999" would be a billion-digit integer).
+_NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
+_SIZE_RE = re.compile(rf"^\s*({_NUMBER})\s*([a-zA-Z]*)\s*$")
+_PERCENT_RE = re.compile(rf"^\s*({_NUMBER})\s*%\s*$")
+_NON_FINITE = ("nan", "inf", "infinity")
+ALLOWED_SIZES = ("allowed: a whole number of bytes >= 0 (an int), a size such as '512MiB', '6GiB' or '1.5GB' "
+                 "(rounded down to whole bytes), a share of all expert bytes from '0%' to '100%', or 'auto'")
 
 
 class PolicyError(ValueError):
@@ -67,7 +77,10 @@ class OffloadPolicy:
     expert_cache: int | str = field(
         default=AUTO,
         metadata={"help": 'Device bytes for resident experts: an int, a size ("512MiB", "6GiB"), a share of all '
-                          'expert bytes ("25%"), or "auto" (device memory left after the resident part).'},
+                          'expert bytes ("25%", at most "100%"), or "auto" (device memory left after the resident '
+                          'part, the KV cache and activations; see max_batch_size, max_seq_len). A size above all '
+                          'expert bytes is capped to them. With device and store on the CPU, experts are used in '
+                          'place and a budget below 100% is refused (use store="disk").'},
     )
     eviction: str = field(
         default="layer",
@@ -88,6 +101,16 @@ class OffloadPolicy:
         default="router",
         metadata={"help": '"router" (exact), or "predicted": SiDA\'s serving mode, the predictor\'s experts and '
                           "scale factors replace the router (approximate, opt-in)."},
+    )
+    max_batch_size: int | str = field(
+        default=AUTO,
+        metadata={"help": 'Most sequences run at once (generate batch), a hint for expert_cache="auto": the device '
+                          'memory left to the KV cache and activations grows with it; "auto": 1.'},
+    )
+    max_seq_len: int | str = field(
+        default=AUTO,
+        metadata={"help": 'Longest sequence (prompt + new tokens), a hint for expert_cache="auto" like '
+                          f'max_batch_size; "auto": the model\'s max_position_embeddings, at most {DEFAULT_MAX_SEQ_LEN}.'},
     )
 
     @classmethod
@@ -120,6 +143,8 @@ class OffloadPolicy:
             raise PolicyError(f"eviction={self.eviction!r} is not allowed; allowed: {list(EVICTIONS)}")
         if self.expert_cache != AUTO:
             parse_size(self.expert_cache, total=1)  # raises on a malformed size
+        self.max_batch_size = parse_count("max_batch_size", self.max_batch_size)
+        self.max_seq_len = parse_count("max_seq_len", self.max_seq_len)
         if self.prefetch not in PREFETCHERS:
             raise PolicyError(f"prefetch={self.prefetch!r} is not allowed; allowed: {list(PREFETCHERS)}")
         if self.routing not in ROUTINGS:
@@ -159,23 +184,73 @@ def normalize_device(device: str | int | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def parse_size(value: int | str, total: int) -> int:
-    """Bytes from an int, "512MiB"/"6GiB"/"1.5GB", or a percentage of `total` ("25%")."""
-    if isinstance(value, bool):
-        raise PolicyError(f"expert_cache={value!r} is not a size")
+def parse_size(value: int | float | str, total: int) -> int:
+    """Whole bytes from an int, a size string, or a percentage of `total`; exact for any magnitude.
+
+    A bare number of bytes must be whole (an int, an integral float, "1234"); a size with a unit is rounded down
+    to whole bytes. A share must lie between 0% and 100%. Sizes larger than what exists are returned as given (the
+    caller caps them).
+
+    Example:
+        >>> parse_size("1.5GB", 0), parse_size("25%", 400), parse_size("1" + "0" * 30, 0)
+        (1500000000, 100, 1000000000000000000000000000000)
+    """
+    if isinstance(value, bool):       # bool is an int subclass: True would silently mean 1 byte
+        raise _size_error(value, "is a bool, not a size")
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _size_error(value, "is not a finite number")
+        return _whole_bytes(value, Fraction(value), rounded=False)
     if isinstance(value, int):
-        if value < 0:
-            raise PolicyError(f"expert_cache={value} must not be negative")
-        return value
+        return _whole_bytes(value, Fraction(value), rounded=False)
     if isinstance(value, str):
+        if value.strip().lower().lstrip("+-") in _NON_FINITE:
+            raise _size_error(value, "is not a finite number")
         pct = _PERCENT_RE.match(value)
         if pct:
-            return int(total * float(pct.group(1)) / 100)
+            return _share(value, Fraction(pct.group(1)), total)
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
-            return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
-    raise PolicyError(f"expert_cache={value!r} is not a size; allowed: bytes as an int, a string such as "
-                      f"'512MiB', '6GiB', '1.5GB', a share of all expert bytes such as '25%', or 'auto'")
+            unit = _UNITS[m.group(2).lower()]
+            return _whole_bytes(value, Fraction(m.group(1)) * unit, rounded=unit > 1)
+    raise _size_error(value, "is not a size")
+
+
+def _whole_bytes(value: Any, amount: Fraction, rounded: bool) -> int:
+    """`amount` as whole bytes: negative is refused; a fraction is rounded down only when a unit was given."""
+    if amount < 0:
+        raise _size_error(value, "is negative")
+    if not rounded and amount.denominator != 1:
+        raise _size_error(value, "is not a whole number of bytes")
+    return math.floor(amount)
+
+
+def _share(value: str, percent: Fraction, total: int) -> int:
+    """`percent` of `total` bytes, rounded down; a share outside 0%..100% is refused rather than capped."""
+    if not 0 <= percent <= 100:
+        raise PolicyError(f"expert_cache={value!r} is outside 0%..100%: a share is of all expert bytes (100% keeps "
+                          f"every expert on the device); {ALLOWED_SIZES}")
+    return math.floor(total * percent / 100)
+
+
+def _size_error(value: Any, reason: str) -> PolicyError:
+    return PolicyError(f"expert_cache={value!r} {reason}; {ALLOWED_SIZES}")
+
+
+def parse_count(name: str, value: int | str) -> int | str:
+    """A workload hint: "auto", or a whole number >= 1 given as an int or a digit string (command-line flags).
+
+    Example:
+        >>> parse_count("max_batch_size", "8"), parse_count("max_seq_len", "auto")
+        (8, 'auto')
+    """
+    if value == AUTO:
+        return AUTO
+    if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value):
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise PolicyError(f"{name}={value!r} is not allowed; allowed: a whole number >= 1, or 'auto'")
+    return value
 
 
 def format_bytes(n: float) -> str:
