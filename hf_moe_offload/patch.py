@@ -58,13 +58,26 @@ def from_pretrained(pretrained_model_name_or_path, offload_policy: Any = "auto",
         >>> model = hf_moe_offload.from_pretrained(path, policy)   # doctest: +SKIP
     """
     if model_class is None:
-        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+        from transformers import AutoConfig
 
-        config = kwargs.get("config") or AutoConfig.from_pretrained(pretrained_model_name_or_path)
-        model_class = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+        model_class = auto_model_class(kwargs.get("config") or AutoConfig.from_pretrained(pretrained_model_name_or_path))
     if hasattr(model_class, "_model_mapping"):   # Auto class: let it pick the concrete class, then our loader runs
         return model_class.from_pretrained(pretrained_model_name_or_path, *model_args,
                                            offload_policy=offload_policy, **kwargs)
     with _LOAD_LOCK:
         return load_offloaded(model_class, pretrained_model_name_or_path, offload_policy, *model_args,
                               original_from_pretrained=_ORIGINAL, **kwargs)
+
+
+def auto_model_class(config) -> type:
+    """The Auto class that generates with `config`'s model: `AutoModelForSeq2SeqLM` for encoder-decoders (Switch
+    Transformers), else `AutoModelForCausalLM`.
+
+    Example:
+        >>> from transformers import SwitchTransformersConfig
+        >>> auto_model_class(SwitchTransformersConfig()).__name__
+        'AutoModelForSeq2SeqLM'
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
+
+    return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM

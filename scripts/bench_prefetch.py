@@ -52,11 +52,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoTokenizer  # noqa: E402
+from transformers import AutoTokenizer  # noqa: E402
 
 import hf_moe_offload  # noqa: E402  (adds the offload_policy keyword)
 from hf_moe_offload.engine import get_engine  # noqa: E402
 from hf_moe_offload.hooks import LayerHook  # noqa: E402
+from hf_moe_offload.patch import auto_model_class  # noqa: E402
 from hf_moe_offload.prefetch.hash_predictor import HashPredictor, predicted_layers  # noqa: E402
 from hf_moe_offload.prefetch.hash_runner import LOOKAHEAD_LAYERS  # noqa: E402
 from hf_moe_offload.training.train import evaluate_on_texts  # noqa: E402
@@ -176,8 +177,7 @@ def mode_policy(mode: str, budget: str, predictor: str) -> dict:
 
 
 def load_model(path: str | Path, policy: dict | None):
-    config = transformers.AutoConfig.from_pretrained(path)
-    cls = AutoModelForSeq2SeqLM if config.is_encoder_decoder else AutoModelForCausalLM
+    cls = auto_model_class(transformers.AutoConfig.from_pretrained(path))
     kwargs = {} if policy is None else {"offload_policy": policy}
     return cls.from_pretrained(path, **kwargs).eval()
 

@@ -30,10 +30,9 @@ import torch
 import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES
 
 from ..engine import get_engine
-from ..patch import from_pretrained
+from ..patch import auto_model_class, from_pretrained
 from ..policy import OffloadPolicy, PolicyError
 from .policy_args import pop_policy_args
 
@@ -154,10 +153,7 @@ def _model_class(pretrained: str, backend: str, **load_args: Any) -> type:
         return transformers.AutoModelForSeq2SeqLM
     if backend == "causal":
         return transformers.AutoModelForCausalLM
-    config = transformers.AutoConfig.from_pretrained(pretrained, **load_args)
-    if getattr(config, "model_type", None) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
-        return transformers.AutoModelForSeq2SeqLM
-    return transformers.AutoModelForCausalLM
+    return auto_model_class(transformers.AutoConfig.from_pretrained(pretrained, **load_args))
 
 
 class _DropMessages(logging.Filter):

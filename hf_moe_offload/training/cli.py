@@ -192,13 +192,15 @@ def probe_writable(out: Path) -> None:
 
 def load_model(path: str, dtype: str, offload_policy: OffloadPolicy | None):
     """The model at `path` (causal or seq2seq), offloaded when a policy is given."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM
+    from transformers import AutoConfig
+
+    from ..patch import auto_model_class
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"--model {path!r}: no such directory")
     config = AutoConfig.from_pretrained(path)
     get_arch(config)                                             # unsupported model types: the library's error
-    cls = AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM
+    cls = auto_model_class(config)
     kwargs: dict[str, Any] = {"dtype": DTYPES[dtype]}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
