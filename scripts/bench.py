@@ -1,24 +1,38 @@
 #!/usr/bin/env python
-"""Benchmark per-expert offloading against a fully resident model and accelerate's disk offload, on the CPU.
+"""Benchmark per-expert offloading against a fully resident model and accelerate's ``device_map`` offload, on the
+CPU or on a CUDA GPU.
 
 What it does, in one invocation:
 
-1. Builds (once, cached under ``--workdir``) a Mixtral-shaped model with random bf16 weights and saves it with
-   ``save_pretrained`` (Hub layout, sharded). The default shape is about 1.5 GB.
-2. Measures the disk's sequential read bandwidth on a checkpoint shard read cold (after evicting its pages).
-3. Runs every system at every batch size in its own subprocess (so peak RSS is per system and clean):
+1. Writes (once, cached under ``--workdir``) a Mixtral-shaped checkpoint with random bf16 weights in the Hub's
+   per-expert safetensors layout, one shard per decoder layer, generated layer by layer (never the whole model in
+   RAM). CPU: about 1.5 GB by default. CUDA: Mixtral-8x7B's layer shapes with as many layers as the disk holds.
+2. Measures the disk's sequential read bandwidth on a shard read cold (after evicting its pages).
+3. Runs every row (system x store x device-memory cap x batch size) in its own subprocess, so peak RSS and peak
+   device memory are the row's own:
 
-   - ``resident``: ``from_pretrained(path, dtype=bfloat16)``, everything in RAM (upper bound).
-   - ``accelerate``: accelerate's ``device_map`` offload, non-expert modules on "cpu" and every
-     ``model.layers.{i}.mlp.experts`` on "disk" with an ``offload_folder`` (today's baseline when experts do not fit).
-   - ``hf_moe_offload``: ``offload_policy={"device": "cpu", "store": "disk", "expert_cache": "25%"}`` (LRU).
+   - ``resident``: ``from_pretrained(path, dtype=bfloat16)``, everything in RAM / on the GPU (upper bound; on the
+     GPU only where the whole model fits under the cap).
+   - ``accelerate``: accelerate's ``device_map`` offload. CPU: non-expert modules on "cpu", every
+     ``model.layers.{i}.mlp.experts`` on "disk" with an ``offload_folder``. CUDA: ``device_map="auto"`` with
+     ``max_memory={0: cap minus the working memory, "cpu": free RAM}`` (store ``cpu``) or ``"cpu": 0`` plus an
+     ``offload_folder`` (store ``disk``).
+   - ``hf_moe_offload`` (eviction "lru") and ``hf_moe_offload_layer`` (the library's default eviction "layer").
+     CPU: ``{"device": "cpu", "store": "disk", "expert_cache": "25%"}``. CUDA: ``{"device": "cuda:0", "store":
+     "cpu" | "disk", "expert_cache": <bytes left under the cap>}``.
 
+   On CUDA each worker first measures pinned host-to-device bandwidth (CUDA events over copies of one expert's
+   size), then caps its device memory with ``torch.cuda.set_per_process_memory_fraction(cap / total)``.
 4. Emulates "experts larger than RAM": before the run and after every decode step the checkpoint files' pages (and
    accelerate's offload folder) are dropped from the OS page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)``, from
    a ``StoppingCriteria`` that also timestamps every step (``--no-evict`` keeps the page cache warm instead).
-5. Reports prefill time, decode tokens/s, bytes really read from disk per generated token (``/proc/self/io``),
-   hf_moe_offload's bytes moved per token and hit rate, peak RSS, greedy-token agreement with ``resident``, and the
-   I/O ceiling ``disk bandwidth / bytes that must move per token``. Writes JSON + PNG and prints a markdown table.
+5. Reports load time, prefill and decode tokens/s, bytes read from disk per generated token (``/proc/self/io``),
+   bytes moved per token (hf_moe_offload: its cache misses; accelerate on the GPU: every offloaded weight once per
+   forward), hit rate, peak RSS, peak device memory (``torch.cuda.max_memory_allocated``), greedy-token agreement
+   with ``resident`` (else ``accelerate``) at the same batch size, and the bound ``bandwidth / bytes that must move
+   per token`` where the bandwidth is the slowest link the bytes cross (disk when evicted, pinned H2D on CUDA).
+   Writes the JSON first, then a PNG (needs matplotlib), and prints a markdown table. A failed row is recorded
+   with its error and the run goes on; the exit status is then 1.
 
 Example:
     # quick smoke run (~2 minutes on 2 cores), results outside the repository
@@ -29,6 +43,14 @@ Example:
     python scripts/bench.py --threads 1 --idle-wait 30 --no-evict
     # re-render table and PNG from a saved run
     python scripts/bench.py --from-json benchmarks/results/cpu_mixtral_1.5gb.json
+
+    # GPU, unattended (CUDA build of torch, pip install -e ".[bench]"): Mixtral-8x7B layers, as many as the disk
+    # holds (at most 32), stores cpu and disk, caps 16 and 24 GiB, batch 1 and 64, 128-token prompts, 16 new tokens
+    # -> benchmarks/results/gpu_mixtral8x7b_<gpu name>.{json,png}
+    HF_HUB_OFFLINE=1 python scripts/bench.py --device cuda --workdir /path/on/a/big/disk
+    # GPU smoke run (2 layers, 16-token prompts, 4 new tokens, 16 GiB cap)
+    #   -> benchmarks/results/gpu_mixtral8x7b_<gpu name>_quick.{json,png}
+    HF_HUB_OFFLINE=1 python scripts/bench.py --device cuda --quick
 """
 
 from __future__ import annotations
@@ -37,8 +59,10 @@ import argparse
 import dataclasses
 import json
 import logging
+import math
 import os
 import platform
+import re
 import resource
 import shlex
 import shutil
@@ -47,6 +71,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -58,11 +83,24 @@ log = logging.getLogger("bench")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_layer")
-DEFAULT_SYSTEMS = SYSTEMS
 OURS_POLICY = {"device": "cpu", "store": "disk", "expert_cache": "25%", "eviction": "lru"}
 # hf_moe_offload systems: the issue's policy (LRU) and the same with the library's default layer-aware eviction.
 POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLICY, "eviction": "layer"}}
-MiB = 2**20
+MiB, GiB = 2**20, 2**30
+MARKER = "bench_model.json"
+MAX_GPU_LAYERS = 32            # Mixtral-8x7B has 32
+DISK_MARGIN = 4 * GiB          # left free on the work dir's disk (logs, page-cache writeback, the OS)
+ALLOCATOR_SLACK = 1 * GiB      # device memory the caching allocator loses to fragmentation under the cap
+
+# Settings that differ by device; --quick replaces some of them (any flag given on the command line wins).
+DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "cpu": {"systems": list(SYSTEMS), "batch_sizes": [1, 8], "prompt_len": 16, "new_tokens": 16, "threads": 1,
+            "warmup_tokens": 2, "idle_wait": 30.0, "caps_gib": [], "stores": ["disk"]},
+    "cuda": {"systems": ["resident", "accelerate", "hf_moe_offload_layer"], "batch_sizes": [1, 64],
+             "prompt_len": 128, "new_tokens": 16, "threads": 0, "warmup_tokens": 2, "idle_wait": 0.0, "caps_gib": [16.0, 24.0],
+             "stores": ["cpu", "disk"]},
+}
+QUICK = {"layers": 2, "prompt_len": 16, "new_tokens": 4, "warmup_tokens": 1, "caps_gib": [16.0]}
 
 
 # ----------------------------------------------------------------------------------------------------------- shape
@@ -86,46 +124,111 @@ class ModelShape:
         return (f"mixtral_h{self.hidden}_i{self.intermediate}_l{self.layers}_e{self.experts}_k{self.top_k}"
                 f"_a{self.heads}x{self.kv_heads}_v{self.vocab}")
 
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def one_expert_bytes(self) -> int:
+        """One expert's gate, up and down matrices in bf16."""
+        return 3 * self.hidden * self.intermediate * 2
+
     def expert_bytes(self) -> int:
-        """Bytes of all experts in bf16 (gate, up and down per expert)."""
-        return 3 * self.hidden * self.intermediate * self.experts * self.layers * 2
+        """Bytes of all experts in bf16."""
+        return self.one_expert_bytes() * self.experts * self.layers
+
+    def layer_tensors(self, i: int) -> dict[str, tuple[int, ...]]:
+        """Decoder layer `i`'s checkpoint entries (Hub layout: per-expert w1/w3/w2) and their shapes."""
+        h, inter, q, kv = self.hidden, self.intermediate, self.heads * self.head_dim, self.kv_heads * self.head_dim
+        pre = f"model.layers.{i}"
+        tensors = {f"{pre}.input_layernorm.weight": (h,), f"{pre}.post_attention_layernorm.weight": (h,),
+                   f"{pre}.self_attn.q_proj.weight": (q, h), f"{pre}.self_attn.k_proj.weight": (kv, h),
+                   f"{pre}.self_attn.v_proj.weight": (kv, h), f"{pre}.self_attn.o_proj.weight": (h, q),
+                   f"{pre}.block_sparse_moe.gate.weight": (self.experts, h)}
+        for e in range(self.experts):
+            ex = f"{pre}.block_sparse_moe.experts.{e}"
+            tensors.update({f"{ex}.w1.weight": (inter, h), f"{ex}.w3.weight": (inter, h), f"{ex}.w2.weight": (h, inter)})
+        return tensors
+
+    def outer_tensors(self) -> dict[str, tuple[int, ...]]:
+        """The entries outside the decoder layers (untied embeddings and LM head, final norm)."""
+        return {"model.embed_tokens.weight": (self.vocab, self.hidden), "model.norm.weight": (self.hidden,),
+                "lm_head.weight": (self.vocab, self.hidden)}
+
+    def layer_bytes(self) -> int:
+        return 2 * sum(math.prod(s) for s in self.layer_tensors(0).values())
+
+    def outer_bytes(self) -> int:
+        return 2 * sum(math.prod(s) for s in self.outer_tensors().values())
+
+    def total_bytes(self) -> int:
+        return self.outer_bytes() + self.layers * self.layer_bytes()
+
+    def non_expert_bytes(self) -> int:
+        """What stays on the device when the experts are offloaded."""
+        return self.total_bytes() - self.expert_bytes()
 
 
 SMALL = ModelShape(hidden=256, intermediate=768, layers=4, experts=8, top_k=2, heads=8, kv_heads=4, vocab=4096)
+TINY = ModelShape(hidden=64, intermediate=128, layers=2, experts=8, top_k=2, heads=4, kv_heads=2, vocab=512)
+MIXTRAL_8X7B = ModelShape(hidden=4096, intermediate=14336, layers=MAX_GPU_LAYERS, experts=8, top_k=2, heads=32,
+                          kv_heads=8, vocab=32000)
 
 
 # ----------------------------------------------------------------------------------------------------------- model
 
 
-def build_checkpoint(shape: ModelShape, seed: int, workdir: Path, shard_size: str) -> Path:
-    """Random-weight Mixtral saved in bf16 Hub layout under `workdir`; reused when it already exists."""
-    import torch
-    from transformers import MixtralConfig, MixtralForCausalLM
+def mixtral_config(shape: ModelShape):
+    from transformers import MixtralConfig
 
-    path = workdir / f"{shape.tag}_seed{seed}"
-    marker = path / "bench_model.json"
-    if marker.exists():
-        log.info("reusing checkpoint %s", path)
-        return path
-    shutil.rmtree(path, ignore_errors=True)
-    config = MixtralConfig(
+    return MixtralConfig(
         vocab_size=shape.vocab, hidden_size=shape.hidden, intermediate_size=shape.intermediate,
         num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
         num_local_experts=shape.experts, num_experts_per_tok=shape.top_k, max_position_embeddings=4096,
         sliding_window=None, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
     )
-    log.info("building %s (seed %d) in bf16 ...", shape.tag, seed)
+
+
+def random_tensors(shapes: dict[str, tuple[int, ...]], gen) -> dict[str, Any]:
+    """bf16 tensors the way Mixtral initialises them: RMSNorm weights 1, matrices normal(0, 0.02)."""
+    import torch
+
+    return {name: torch.ones(s, dtype=torch.bfloat16) if len(s) == 1
+            else torch.randn(s, generator=gen).mul_(0.02).to(torch.bfloat16) for name, s in shapes.items()}
+
+
+def build_checkpoint(shape: ModelShape, seed: int, workdir: Path) -> Path:
+    """Random-weight Mixtral in bf16, Hub layout, under `workdir`; reused when it already exists. Written one shard
+    per decoder layer (plus one for embeddings, norm and head), so memory holds one layer at a time."""
+    import torch
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    path = workdir / f"{shape.tag}_seed{seed}"
+    if (path / MARKER).exists():
+        log.info("reusing checkpoint %s", path)
+        return path
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    mixtral_config(shape).save_pretrained(partial)
+    log.info("writing %s (seed %d, %.2f GB) in bf16 ...", shape.tag, seed, shape.total_bytes() / 1e9)
     start = time.perf_counter()
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM._from_config(config, dtype=torch.bfloat16)   # built in bf16: no fp32 copy
-    n_params = sum(p.numel() for p in model.parameters())
-    model.save_pretrained(path, max_shard_size=shard_size)
-    del model
-    files = checkpoint_files(path)
+    gen = torch.Generator().manual_seed(seed)
+    shards = [shape.outer_tensors()] + [shape.layer_tensors(i) for i in range(shape.layers)]
+    weight_map: dict[str, str] = {}
+    for k, shapes in enumerate(tqdm(shards, desc="writing shards", unit="shard")):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(random_tensors(shapes, gen), partial / name, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shapes, name))
+    index = {"metadata": {"total_size": shape.total_bytes()}, "weight_map": weight_map}
+    (partial / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    files = checkpoint_files(partial)
     fsync_files(files)
-    info = {"shape": dataclasses.asdict(shape), "seed": seed, "num_parameters": n_params,
+    info = {"shape": dataclasses.asdict(shape), "seed": seed, "num_parameters": shape.total_bytes() // 2,
             "bytes_on_disk": sum(f.stat().st_size for f in files), "files": [f.name for f in files]}
-    marker.write_text(json.dumps(info, indent=2) + "\n")
+    (partial / MARKER).write_text(json.dumps(info, indent=2) + "\n")
+    shutil.rmtree(path, ignore_errors=True)
+    partial.rename(path)
     log.info("built %s: %.2f GB in %d shards, %.0f s", path, info["bytes_on_disk"] / 1e9, len(files),
              time.perf_counter() - start)
     return path
@@ -135,6 +238,87 @@ def checkpoint_files(path: Path) -> list[Path]:
     return sorted(path.glob("*.safetensors"))
 
 
+def built_layers(workdir: Path, base: ModelShape, seed: int) -> int | None:
+    """The most layers of a finished checkpoint of `base`'s shape already in `workdir` (None: none there)."""
+    pattern = re.escape(base.tag).replace(f"_l{base.layers}_", r"_l(\d+)_") + f"_seed{seed}"
+    found = [int(m.group(1)) for d in workdir.glob("mixtral_*") if (m := re.fullmatch(pattern, d.name))
+             and (d / MARKER).exists()]
+    return max(found, default=None)
+
+
+def layers_for_disk(free_bytes: int, base: ModelShape, copies: int) -> int:
+    """Decoder layers whose checkpoint (x `copies`: accelerate re-saves what it offloads to disk) fit in
+    `free_bytes`, with a 5% margin per layer (~2.8 GiB per Mixtral-8x7B layer) and `DISK_MARGIN` left free."""
+    per_layer = copies * base.layer_bytes() * 1.05
+    room = free_bytes - copies * base.outer_bytes() - DISK_MARGIN
+    return min(MAX_GPU_LAYERS, int(room // per_layer))
+
+
+def default_layers(workdir: Path, base: ModelShape, seed: int, copies: int) -> int:
+    """Reuse the largest checkpoint already built, else as many layers as the work dir's free disk allows."""
+    built = built_layers(workdir, base, seed)
+    if built is not None:
+        log.info("reusing the %d-layer checkpoint in %s (--layers to choose another)", built, workdir)
+        return built
+    free = shutil.disk_usage(workdir).free
+    layers = layers_for_disk(free, base, copies)
+    log.info("%.0f GiB free under %s: %d layers (%d cop%s of each on disk)", free / GiB, workdir, layers, copies,
+             "y" if copies == 1 else "ies")
+    if layers < 1:
+        raise SystemExit(f"bench.py: error: {free / GiB:.0f} GiB free under {workdir} holds no layer; "
+                         f"free some space or pass --workdir on a larger disk")
+    return layers
+
+
+# ---------------------------------------------------------------------------------------------- device memory plan
+
+
+def working_bytes(shape: ModelShape, batch: int, seq_len: int) -> int:
+    """Device memory besides the weights: the KV cache, prefill activations (hidden states, one expert's gate/up/
+    down over every token, attention projections; x2 for temporaries) and allocator slack."""
+    kv = 2 * shape.layers * batch * seq_len * shape.kv_heads * shape.head_dim * 2
+    activations = 2 * batch * seq_len * (3 * shape.intermediate + 6 * shape.hidden) * 2
+    logits = batch * shape.vocab * 4 * 2
+    return kv + activations + logits + ALLOCATOR_SLACK
+
+
+def device_plan(shape: ModelShape, cap: int, batch: int, seq_len: int) -> dict[str, int]:
+    """How a device-memory cap splits: working memory, weights, and (for hf_moe_offload) the expert cache, which is
+    what the weights budget leaves after the non-expert weights."""
+    work = working_bytes(shape, batch, seq_len)
+    return {"cap_bytes": cap, "working_bytes": work, "weights_bytes": cap - work,
+            "expert_cache_bytes": cap - work - shape.non_expert_bytes()}
+
+
+def row_spec(system: str, batch: int, store: str | None, plan: dict[str, int] | None) -> dict[str, Any]:
+    return {"system": system, "batch": batch, "store": store, **(plan or {"cap_bytes": None})}
+
+
+def plan_rows(device: str, shape: ModelShape, systems: list[str], stores: list[str], caps: list[int],
+              batches: list[int], seq_len: int) -> list[dict[str, Any]]:
+    """Every (system, store, cap, batch) row to run. CPU: no cap, accelerate and hf_moe_offload read the disk.
+    CUDA: a row is dropped (logged) when its share of the cap cannot hold what it needs: the whole model for
+    `resident`, one layer's top-k experts for hf_moe_offload's cache."""
+    if device == "cpu":
+        return [row_spec(s, b, None if s == "resident" else "disk", None) for b in batches for s in systems]
+    rows = []
+    for cap in caps:
+        for batch in batches:
+            plan = device_plan(shape, cap, batch, seq_len)
+            for system in systems:
+                if system == "resident":
+                    if plan["weights_bytes"] >= shape.total_bytes():
+                        rows.append(row_spec(system, batch, None, plan))
+                    else:
+                        log.info("no resident row at %.0f GiB, batch %d: the model (%.1f GiB) does not fit",
+                                 cap / GiB, batch, shape.total_bytes() / GiB)
+                    continue
+                if system in POLICIES and plan["expert_cache_bytes"] < shape.top_k * shape.one_expert_bytes():
+                    log.info("no %s rows at %.0f GiB, batch %d: %.1f GiB left for the expert cache", system,
+                             cap / GiB, batch, plan["expert_cache_bytes"] / GiB)
+                    continue
+                rows += [row_spec(system, batch, store, plan) for store in stores]
+    return rows
 # ------------------------------------------------------------------------------------------------------ page cache
 
 
@@ -204,12 +388,14 @@ def combine_bandwidth(first: dict[str, Any], second: dict[str, Any]) -> dict[str
 
 
 class StepProbe:
-    """A `StoppingCriteria` (duck-typed) called once per generated token: timestamps, disk reads, optional stats
-    snapshot, then page-cache eviction. Never stops generation."""
+    """A `StoppingCriteria` (duck-typed) called once per generated token: waits for the device, then timestamps,
+    disk reads, optional stats snapshot, then page-cache eviction. Never stops generation."""
 
-    def __init__(self, evict_files: list[Path] | None, snapshot: Callable[[], dict] | None):
+    def __init__(self, evict_files: list[Path] | None, snapshot: Callable[[], dict] | None,
+                 synchronize: Callable[[], None]):
         self.evict_files = evict_files
         self.snapshot = snapshot
+        self.synchronize = synchronize
         self.enter: list[float] = []
         self.exit: list[float] = []
         self.reads_enter: list[int] = []
@@ -219,6 +405,7 @@ class StepProbe:
     def __call__(self, input_ids, scores, **kwargs):
         import torch
 
+        self.synchronize()          # CUDA runs ahead of the host: time the step's work, not its launch
         self.enter.append(time.perf_counter())
         self.reads_enter.append(proc_read_bytes())
         if self.snapshot is not None:
@@ -231,7 +418,7 @@ class StepProbe:
 
 
 def accelerate_device_map(path: Path) -> dict[str, str]:
-    """accelerate placement: every module owning tensors on "cpu", every `...mlp.experts` module on "disk"."""
+    """accelerate placement on the CPU: every module owning tensors on "cpu", every `...mlp.experts` on "disk"."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -250,24 +437,59 @@ def accelerate_device_map(path: Path) -> dict[str, str]:
     return device_map
 
 
-def load_system(system: str, path: Path, offload_folder: Path):
-    """Load the model the way `system` does; returns (model, extra files whose pages to evict)."""
+def accelerate_cuda_kwargs(spec: dict[str, Any], offload_folder: Path, host_bytes: int) -> dict[str, Any]:
+    """accelerate's own placement on GPU 0 under the row's weights budget (the cap less the working memory, as for
+    hf_moe_offload); the rest in `host_bytes` of RAM (store "cpu") or all of it on disk (store "disk")."""
+    if spec["store"] == "cpu":
+        return {"device_map": "auto", "max_memory": {0: spec["weights_bytes"], "cpu": host_bytes}}
+    return {"device_map": "auto", "max_memory": {0: spec["weights_bytes"], "cpu": 0},
+            "offload_folder": str(offload_folder)}
+
+
+def offloaded_bytes(model, device: str) -> int:
+    """Bytes of the weights accelerate keeps off the compute device: its hooks bring every one of them over once
+    per forward (on the CPU only "disk" is off the device)."""
+    off = {"cpu", "disk"} - {device}
+    placement = {name: str(where) for name, where in model.hf_device_map.items()}
+
+    def where(param: str) -> str:
+        owner = max((m for m in placement if m == "" or param == m or param.startswith(m + ".")), key=len)
+        return placement[owner]
+
+    return sum(p.numel() * p.element_size() for name, p in model.named_parameters() if where(name) in off)
+
+
+def policy_for(spec: dict[str, Any]) -> dict[str, Any]:
+    """The row's offload policy: the system's CPU policy, on CUDA with the row's store and cache budget."""
+    policy = dict(POLICIES[spec["system"]])
+    if spec["device"] == "cuda":
+        policy.update(device="cuda:0", store=spec["store"], expert_cache=spec["expert_cache_bytes"])
+    return policy
+
+
+def load_system(spec: dict[str, Any], path: Path, offload_folder: Path):
+    """Load the model the way the row's system does; returns (model, extra files whose pages to evict)."""
+    import psutil
     import torch
     from transformers import AutoModelForCausalLM
 
     import hf_moe_offload  # noqa: F401  (installs the offload_policy keyword)
 
+    system, cuda = spec["system"], spec["device"] == "cuda"
     if system == "resident":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16), []
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                    **({"device_map": {"": 0}} if cuda else {})), []
     if system == "accelerate":
         shutil.rmtree(offload_folder, ignore_errors=True)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, device_map=accelerate_device_map(path),
-                                                     offload_folder=str(offload_folder))
-        files = sorted(p for p in offload_folder.rglob("*") if p.is_file())
+        host = psutil.virtual_memory().available - 8 * GiB    # room for the process itself and the page cache
+        kwargs = accelerate_cuda_kwargs(spec, offload_folder, host) if cuda else \
+            {"device_map": accelerate_device_map(path), "offload_folder": str(offload_folder)}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **kwargs)
+        files = sorted(p for p in offload_folder.rglob("*") if p.is_file()) if offload_folder.exists() else []
         fsync_files(files)
         return model, files
     if system in POLICIES:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, offload_policy=POLICIES[system]), []
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, offload_policy=policy_for(spec)), []
     raise ValueError(f"unknown system {system!r}; allowed: {SYSTEMS}")
 
 
@@ -280,9 +502,14 @@ def make_prompt(vocab: int, batch: int, prompt_len: int, seed: int):
     return ids, torch.ones_like(ids)
 
 
+def compute_device(spec: dict[str, Any]) -> str:
+    return "cuda:0" if spec["device"] == "cuda" else "cpu"
+
+
 def warmup(model, spec: dict[str, Any]) -> float:
-    """A short generate on a different prompt, so one-time costs (code pages, allocator, thread pools) stay out of
-    the measurement. hf_moe_offload's cache keeps what this run loaded (a running server's situation)."""
+    """A short generate on a different prompt, so one-time costs (code pages, allocator, thread pools, CUDA
+    kernels) stay out of the measurement. hf_moe_offload's cache keeps what this run loaded (a running server's
+    situation)."""
     import torch
 
     if spec["warmup_tokens"] <= 0:
@@ -290,20 +517,24 @@ def warmup(model, spec: dict[str, Any]) -> float:
     ids, mask = make_prompt(spec["vocab"], spec["batch"], spec["prompt_len"], spec["seed"] + 1)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=mask, max_new_tokens=spec["warmup_tokens"],
-                       min_new_tokens=spec["warmup_tokens"], do_sample=False, pad_token_id=0)
+        model.generate(ids.to(compute_device(spec)), attention_mask=mask.to(compute_device(spec)),
+                       max_new_tokens=spec["warmup_tokens"], min_new_tokens=spec["warmup_tokens"], do_sample=False,
+                       pad_token_id=0)
     return time.perf_counter() - start
 
 
-def summarize_steps(probe: StepProbe, gen_start: float, reads_start: int, batch: int) -> dict[str, Any]:
+def summarize_steps(probe: StepProbe, gen_start: float, reads_start: int, batch: int,
+                    prompt_len: int) -> dict[str, Any]:
     """Prefill and decode timings and disk reads from the probe's per-step records (eviction time excluded)."""
     n = len(probe.enter)
     step_s = [probe.enter[i] - probe.exit[i - 1] for i in range(1, n)]
     step_reads = [probe.reads_enter[i] - probe.reads_exit[i - 1] for i in range(1, n)]
     decode_s = sum(step_s)
     decode_tokens = batch * (n - 1)
+    prefill_s = probe.enter[0] - gen_start
     return {
-        "prefill_s": probe.enter[0] - gen_start,
+        "prefill_s": prefill_s,
+        "prefill_tok_s": batch * prompt_len / prefill_s,
         "prefill_read_bytes": probe.reads_enter[0] - reads_start,
         "decode_steps": n - 1,
         "decode_tokens": decode_tokens,
@@ -342,11 +573,80 @@ def peak_rss_bytes() -> int:
     raise RuntimeError("/proc/self/status has no VmHWM")
 
 
-def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """One system at one batch size, in this (fresh) process."""
+def h2d_bandwidth(nbytes: int, repeats: int = 5) -> dict[str, Any]:
+    """Pinned host -> GPU 0 copy bandwidth over `nbytes` copies (one expert), timed with CUDA events; best of
+    `repeats` after one warm-up copy. Device memory used here is freed and its peak forgotten."""
     import torch
 
-    torch.set_num_threads(spec["threads"])
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda:0")
+    dst.copy_(src, non_blocking=True)
+    rates = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        rates.append(nbytes / (begin.elapsed_time(end) / 1e3))
+    del src, dst
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(0)
+    return {"copy_bytes": nbytes, "runs_bytes_per_s": rates, "bytes_per_s": max(rates)}
+
+
+def cuda_info() -> dict[str, Any]:
+    import torch
+
+    props = torch.cuda.get_device_properties(0)
+    return {"name": props.name, "total_memory_bytes": props.total_memory, "capability": f"{props.major}.{props.minor}",
+            "cuda": torch.version.cuda, "torch": torch.__version__}
+
+
+def cap_device_memory(cap: int, total: int) -> float:
+    """Limit this process's caching allocator on GPU 0 to `cap` bytes; returns the fraction set."""
+    import torch
+
+    if cap > total:
+        raise ValueError(f"cap {cap / GiB:.1f} GiB exceeds the GPU's {total / GiB:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(cap / total, 0)
+    return cap / total
+
+
+def prepare_device(spec: dict[str, Any]) -> dict[str, Any]:
+    """CUDA: measure pinned H2D bandwidth before anything else is on the device, then cap the device memory.
+    Returns the row's device facts (empty on the CPU)."""
+    if spec["device"] != "cuda":
+        return {}
+    info = cuda_info()
+    h2d = h2d_bandwidth(spec["one_expert_bytes"])
+    fraction = cap_device_memory(spec["cap_bytes"], info["total_memory_bytes"])
+    return {"gpu": info, "h2d": h2d, "memory_fraction": fraction}
+
+
+def device_peaks(spec: dict[str, Any]) -> dict[str, Any]:
+    """Peak device memory the caching allocator handed out (CUDA), None on the CPU."""
+    if spec["device"] != "cuda":
+        return {"peak_device_bytes": None}
+    import torch
+
+    return {"peak_device_bytes": torch.cuda.max_memory_allocated(0),
+            "peak_device_reserved_bytes": torch.cuda.max_memory_reserved(0)}
+
+
+def synchronizer(spec: dict[str, Any]) -> Callable[[], None]:
+    import torch
+
+    return torch.cuda.synchronize if spec["device"] == "cuda" else (lambda: None)
+
+
+def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """One row (system, store, cap, batch size), in this (fresh) process."""
+    import torch
+
+    if spec["threads"] > 0:
+        torch.set_num_threads(spec["threads"])
+    device_facts = prepare_device(spec)
     system, batch, evict = spec["system"], spec["batch"], spec["evict"]
     path = Path(spec["checkpoint"])
     ckpt_files = checkpoint_files(path)
@@ -355,9 +655,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if evict:
         evict_from_page_cache(ckpt_files)
     reads0, t0 = proc_read_bytes(), time.perf_counter()
-    model, extra_files = load_system(system, path, offload_folder)
+    model, extra_files = load_system(spec, path, offload_folder)
     load_s, load_reads = time.perf_counter() - t0, proc_read_bytes() - reads0
     rss_load = peak_rss_bytes()
+    device_after_load = device_peaks(spec)["peak_device_bytes"]
     evict_files = (ckpt_files + extra_files) if evict else None
     if evict:
         evict_from_page_cache(evict_files)
@@ -372,27 +673,31 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         hf_moe_offload.stats(model).reset()
         snapshot = lambda: dict(hf_moe_offload.stats(model))  # noqa: E731
     ids, mask = make_prompt(spec["vocab"], batch, spec["prompt_len"], spec["seed"])
-    probe = StepProbe(evict_files, snapshot)
+    ids, mask = ids.to(compute_device(spec)), mask.to(compute_device(spec))
+    probe = StepProbe(evict_files, snapshot, synchronizer(spec))
+    probe.synchronize()
     reads_start, gen_start = proc_read_bytes(), time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=spec["new_tokens"],
                              min_new_tokens=spec["new_tokens"], do_sample=False, stopping_criteria=[probe],
                              pad_token_id=0)
     result = {
-        "system": system, "batch": batch, "evict": evict, "load_s": load_s, "load_read_bytes": load_reads,
+        **{k: spec[k] for k in ("system", "batch", "evict", "device", "store", "cap_bytes")},
+        "load_s": load_s, "load_read_bytes": load_reads,
         "warmup_s": warmup_s, "experts_implementation": model.config._experts_implementation,
-        **summarize_steps(probe, gen_start, reads_start, batch),
+        **summarize_steps(probe, gen_start, reads_start, batch, spec["prompt_len"]),
         "tokens": out[:, ids.shape[1]:].tolist(),
         "rss_after_import_bytes": rss_import, "rss_after_load_bytes": rss_load, "peak_rss_bytes": peak_rss_bytes(),
+        **device_facts, "device_after_load_bytes": device_after_load, **device_peaks(spec),
     }
     if system == "accelerate":
         result["offload_folder_bytes"] = sum(f.stat().st_size for f in extra_files)
+        result["offloaded_bytes_per_step"] = offloaded_bytes(model, spec["device"])
+        result["device_map_counts"] = dict(Counter(map(str, model.hf_device_map.values())))
     if system in POLICIES:
-        result["policy"] = POLICIES[system]
+        result["policy"] = policy_for(spec)
         result["ours"] = summarize_ours(probe, result["decode_tokens"])
     return result
-
-
 def cpu_jiffies() -> tuple[int, int]:
     """(busy, total) CPU time of the whole machine so far, in clock ticks (/proc/stat)."""
     with open("/proc/stat") as f:
@@ -427,7 +732,8 @@ def wait_for_idle(max_wait_s: float, threshold: float = 0.15, window_s: float = 
 
 def spawn_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """Run `run_worker(spec)` in a fresh Python process and return its result, with the share of the machine's CPU
-    time that other processes used meanwhile (`foreign_cpu_share`: 0 = we had the machine to ourselves)."""
+    time that other processes used meanwhile (`foreign_cpu_share`: 0 = we had the machine to ourselves). A worker
+    that fails or times out gives its row with an `error` instead (an unattended run goes on)."""
     with tempfile.TemporaryDirectory(prefix="bench_worker_") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "result.json"
         spec_path.write_text(json.dumps(spec))
@@ -436,10 +742,15 @@ def spawn_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         own0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         busy0, total0 = cpu_jiffies()
         start = time.perf_counter()
-        proc = subprocess.run(cmd, timeout=timeout_s)
-        if proc.returncode != 0:
-            raise RuntimeError(f"worker {spec['system']} batch {spec['batch']} failed with exit code "
-                               f"{proc.returncode}")
+        try:
+            proc = subprocess.run(cmd, timeout=timeout_s)
+            error = None if proc.returncode == 0 else f"worker exited with status {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            error = f"worker timed out after {timeout_s:.0f} s"
+        if error is not None:
+            log.error("%s at batch %d (store %s): %s", spec["system"], spec["batch"], spec["store"], error)
+            return {**{k: spec[k] for k in ("system", "batch", "evict", "device", "store", "cap_bytes")},
+                    "error": error}
         wall = time.perf_counter() - start
         busy1, total1 = cpu_jiffies()
         own1 = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -455,129 +766,202 @@ def spawn_worker(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------- report
 
 
+def succeeded(results: list[dict]) -> list[dict]:
+    return [r for r in results if "error" not in r]
+
+
 def compare_tokens(results: list[dict]) -> None:
-    """Add `tokens_match` / `mismatched_tokens` against `resident` at the same batch size (in place)."""
-    reference = {r["batch"]: r["tokens"] for r in results if r["system"] == "resident"}
-    for r in results:
+    """Add `tokens_match` / `mismatched_tokens` against the reference at the same batch size (in place): `resident`
+    where it ran, else the first `accelerate` row (its placement does not change the arithmetic)."""
+    reference: dict[int, dict] = {}
+    for system in ("accelerate", "resident"):        # resident last: it wins where both ran
+        reference.update({r["batch"]: r for r in reversed(succeeded(results)) if r["system"] == system})
+    for r in succeeded(results):
         ref = reference.get(r["batch"])
-        if ref is None:
-            r["tokens_match"] = None
+        if ref is None or ref is r:
+            r["tokens_match"], r["reference"] = None, None
             continue
-        mismatched = sum(a != b for row_a, row_b in zip(r["tokens"], ref) for a, b in zip(row_a, row_b))
-        r["mismatched_tokens"] = mismatched
-        r["first_mismatch_step"] = min((i for row_a, row_b in zip(r["tokens"], ref)
-                                        for i, (a, b) in enumerate(zip(row_a, row_b)) if a != b), default=None)
-        r["tokens_match"] = mismatched == 0
+        pairs = [(i, a, b) for row_a, row_b in zip(r["tokens"], ref["tokens"]) for i, (a, b) in
+                 enumerate(zip(row_a, row_b))]
+        mismatched = [i for i, a, b in pairs if a != b]
+        r["reference"] = ref["system"]
+        r["mismatched_tokens"] = len(mismatched)
+        r["first_mismatch_step"] = min(mismatched, default=None)
+        r["tokens_match"] = not mismatched
 
 
-def add_ceilings(results: list[dict], bandwidth: float) -> None:
-    """I/O ceiling: tokens/s if the bytes that must move per token streamed at the disk's sequential bandwidth.
+def must_move_bytes_per_token(r: dict) -> float:
+    """Bytes per generated token that must cross the row's slowest link: hf_moe_offload's cache misses;
+    accelerate on the GPU: every offloaded weight once per forward (one forward per step for the whole batch);
+    accelerate on the CPU: what it really read from the disk."""
+    if "ours" in r:
+        return r["ours"]["bytes_to_device_per_token"]
+    if r.get("device") == "cuda":
+        return r["offloaded_bytes_per_step"] / r["batch"]
+    return r["read_bytes_per_token"]
 
-    For hf_moe_offload the bytes that must move are its cache misses (`bytes_to_device`); for accelerate, the bytes
-    actually read from disk (`/proc/self/io`). Only meaningful when the page cache is evicted (else nothing comes from
-    the disk)."""
-    for r in results:
-        if r["system"] == "resident" or not r["evict"]:   # nothing has to come from the disk
-            r["must_move_bytes_per_token"], r["io_ceiling_tok_s"] = 0, None
-            continue
-        must_move = r["ours"]["bytes_to_device_per_token"] if "ours" in r else r["read_bytes_per_token"]
-        r["must_move_bytes_per_token"] = must_move
-        r["io_ceiling_tok_s"] = bandwidth / must_move if must_move > 0 else None
+
+def link_bandwidth(r: dict, disk_bytes_per_s: float) -> float | None:
+    """The slowest link the row's bytes cross: the disk when its store is the disk and the page cache is evicted,
+    pinned host-to-device on CUDA (measured in the row's worker). None: nothing has to move."""
+    links = []
+    if r["system"] != "resident" and r.get("store", "disk") == "disk" and r["evict"]:
+        links.append(disk_bytes_per_s)
+    if r.get("device") == "cuda" and r["system"] != "resident":
+        links.append(r["h2d"]["bytes_per_s"])
+    return min(links, default=None)
+
+
+def add_ceilings(results: list[dict], disk_bytes_per_s: float) -> None:
+    """Bound: tokens/s if the bytes that must move per token streamed at the slowest link's bandwidth (in place)."""
+    for r in succeeded(results):
+        must_move = 0 if r["system"] == "resident" else must_move_bytes_per_token(r)
+        bandwidth = link_bandwidth(r, disk_bytes_per_s)
+        r["must_move_bytes_per_token"], r["bound_bandwidth_bytes_per_s"] = must_move, bandwidth
+        r["io_ceiling_tok_s"] = bandwidth / must_move if bandwidth and must_move > 0 else None
 
 
 def fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
 
+def row_order(r: dict) -> tuple:
+    return (r["batch"], r.get("cap_bytes") or 0, r.get("store") or "", SYSTEMS.index(r["system"]))
+
+
 def markdown_table(results: list[dict]) -> str:
-    header = ("| system | batch | load s | prefill s | decode tok/s | I/O ceiling tok/s | disk MB/token | "
-              "moved MB/token | hit rate | peak RSS GiB | greedy tokens = resident | other CPU load |")
+    header = ("| system | store | cap GiB | batch | load s | prefill tok/s | decode tok/s | bound tok/s | "
+              "disk MB/token | moved MB/token | hit rate | peak RSS GiB | peak device GiB | greedy tokens = ref | "
+              "other CPU load |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
-    for r in sorted(results, key=lambda r: (r["batch"], SYSTEMS.index(r["system"]))):
+    for r in sorted(results, key=row_order):
+        cap = fmt(r["cap_bytes"] / GiB if r.get("cap_bytes") else None, "g")
+        if "error" in r:
+            lines.append(f"| {r['system']} | {r.get('store') or '–'} | {cap} | {r['batch']} | failed: {r['error']} |")
+            continue
         ours = r.get("ours")
-        match = "ref" if r["system"] == "resident" else (
-            "yes" if r["tokens_match"] else f"no ({r['mismatched_tokens']}/{r['decode_tokens'] + r['batch']})")
+        match = "ref" if r.get("tokens_match") is None else (
+            f"yes ({r['reference']})" if r["tokens_match"] else
+            f"no ({r['mismatched_tokens']}/{r['decode_tokens'] + r['batch']} vs {r['reference']})")
         lines.append("| " + " | ".join([
-            r["system"], str(r["batch"]), f"{r['load_s']:.1f}", f"{r['prefill_s']:.2f}", f"{r['decode_tok_s']:.2f}",
-            fmt(r["io_ceiling_tok_s"], ".2f"), f"{r['read_bytes_per_token'] / 1e6:.1f}",
-            fmt(ours["bytes_to_device_per_token"] / 1e6 if ours else None, ".1f"),
-            fmt(ours["decode_hit_rate"] if ours else None, ".0%"), f"{r['peak_rss_bytes'] / 2**30:.2f}", match,
+            r["system"], r.get("store") or "–", cap, str(r["batch"]), f"{r['load_s']:.1f}",
+            fmt(r.get("prefill_tok_s"), ".1f"), f"{r['decode_tok_s']:.2f}", fmt(r["io_ceiling_tok_s"], ".2f"),
+            f"{r['read_bytes_per_token'] / 1e6:.1f}", fmt(r["must_move_bytes_per_token"] / 1e6, ".1f"),
+            fmt(ours["decode_hit_rate"] if ours else None, ".0%"), f"{r['peak_rss_bytes'] / 2**30:.2f}",
+            fmt(r["peak_device_bytes"] / GiB if r.get("peak_device_bytes") else None, ".2f"), match,
             f"{r['foreign_cpu_share']:.0%}",
         ]) + " |")
     return "\n".join(lines)
-
-
 COLORS = {"resident": "#7f7f7f", "accelerate": "#d62728", "hf_moe_offload": "#1f77b4",
           "hf_moe_offload_layer": "#2ca02c"}
 CACHE_COLORS = {"hf_moe_offload": "#9ecae1", "hf_moe_offload_layer": "#a1d99b"}
+Group = tuple[int, "str | None", "int | None"]       # (batch, store, cap bytes)
 
 
-def grouped_bars(ax, batches: list[int], series: list[tuple[str, list[float], str, str | None]]) -> list[list[float]]:
-    """One group of bars per batch size, one bar per (label, values, color, hatch); returns each series' x's."""
+def row_groups(results: list[dict]) -> list[Group]:
+    """One bar group per (batch, store, cap) of the offloading rows (resident joins every store's group)."""
+    offloading = [r for r in results if r["system"] != "resident"] or results
+    keys = {(r["batch"], r.get("store"), r.get("cap_bytes")) for r in offloading}
+    return sorted(keys, key=lambda k: (k[0], k[2] or 0, k[1] or ""))
+
+
+def group_label(group: Group) -> str:
+    batch, store, cap = group
+    return f"batch {batch}" if cap is None else f"batch {batch}\n{store} store, {cap / GiB:g} GiB"
+
+
+def row_in(results: list[dict], system: str, group: Group) -> dict | None:
+    batch, store, cap = group
+    return next((r for r in results if r["system"] == system and r["batch"] == batch and r.get("cap_bytes") == cap
+                 and (system == "resident" or r.get("store") == store)), None)
+
+
+def grouped_bars(ax, groups: list[Group], series: list[tuple[str, list[float], str, str | None]]
+                 ) -> list[list[float]]:
+    """One group of bars per row group, one bar per (label, values, color, hatch); returns each series' x's."""
     width = 0.8 / len(series)
     all_xs = []
     for j, (label, vals, color, hatch) in enumerate(series):
-        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(batches))]
+        xs = [i + (j - (len(series) - 1) / 2) * width for i in range(len(groups))]
         bars = ax.bar(xs, vals, width, label=label, color=color, hatch=hatch, edgecolor="white" if hatch else None)
         ax.bar_label(bars, labels=[f"{v:.1f}" if v >= 1 or v == 0 else f"{v:.2f}" for v in vals], fontsize=8,
                      padding=2)
         all_xs.append(xs)
-    ax.set_xticks(range(len(batches)), [f"batch {b}" for b in batches])
+    ax.set_xticks(range(len(groups)), [group_label(g) for g in groups], fontsize=8)
     ax.grid(axis="y", alpha=0.3)
     return all_xs
 
 
-def plot(results: list[dict], title: str, png: Path) -> None:
-    """Left: decode tokens/s per system and batch size, with hf_moe_offload's I/O ceiling. Right: MB read from disk
-    per generated token, plus the MB hf_moe_offload copied into its cache per token."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+def decode_panel(ax, results: list[dict], groups: list[Group], systems: list[str]) -> None:
+    """Decode tokens/s per system and row group (log scale), with every offloading row's bound as a dashed mark."""
     from matplotlib import ticker
 
-    batches = sorted({r["batch"] for r in results})
-    systems = [s for s in SYSTEMS if any(r["system"] == s for r in results)]
-    by = {(r["system"], r["batch"]): r for r in results}
+    def values(system: str, key: str) -> list[float]:
+        return [(row_in(results, system, g) or {}).get(key) or 0.0 for g in groups]
 
-    def values(system: str, get: Callable[[dict], float]) -> list[float]:
-        return [get(by[(system, b)]) if (system, b) in by else 0.0 for b in batches]
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12.5, 5.6))
-    xs = grouped_bars(left, batches, [(s, values(s, lambda r: r["decode_tok_s"]), COLORS[s], None) for s in systems])
+    xs = grouped_bars(ax, groups, [(s, values(s, "decode_tok_s"), COLORS[s], None) for s in systems])
     width = 0.8 / len(systems)
-    for system in [s for s in systems if s in POLICIES]:
-        ceilings = values(system, lambda r: r.get("io_ceiling_tok_s") or 0.0)
-        for x, c in zip(xs[systems.index(system)], ceilings):
+    for system in [s for s in systems if s != "resident"]:
+        for x, c in zip(xs[systems.index(system)], values(system, "io_ceiling_tok_s")):
             if c:
-                left.hlines(c, x - width / 2, x + width / 2, colors="black", linestyles="--", linewidth=1.5,
-                            label="I/O ceiling (disk bandwidth / bytes moved per token)")
-                left.annotate(f"{c:.1f}", (x, c), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
-    left.set_yscale("log")      # resident and disk-bound systems differ by an order of magnitude
+                ax.hlines(c, x - width / 2, x + width / 2, colors="black", linestyles="--", linewidth=1.5,
+                          label="bound (slowest link's bandwidth / bytes moved per token)")
+                ax.annotate(f"{c:.1f}", (x, c), textcoords="offset points", xytext=(0, 3), ha="center", fontsize=7)
+    ax.set_yscale("log")      # resident and offloading systems differ by an order of magnitude or more
     top = max([r["decode_tok_s"] for r in results] + [r.get("io_ceiling_tok_s") or 0 for r in results])
-    left.set_ylim(top=top * 2)
-    left.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
-    left.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
-    left.set_ylabel("decode tokens/s, log scale (higher is better)")
-    handles, labels = left.get_legend_handles_labels()
-    unique = dict(zip(labels, handles))          # one entry for all the ceiling marks
-    left.legend(unique.values(), unique.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize=8,
-                frameon=False)
+    ax.set_ylim(top=top * 2)
+    ax.yaxis.set_major_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(ticker.FuncFormatter(lambda v, _: f"{v:g}" if str(v)[0] in "25" else ""))
+    ax.set_ylabel("decode tokens/s, log scale (higher is better)")
+    handles, labels = ax.get_legend_handles_labels()
+    unique = dict(zip(labels, handles))          # one entry for all the bound marks
+    ax.legend(unique.values(), unique.keys(), loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8,
+              frameon=False)
+
+
+def bytes_panel(ax, results: list[dict], groups: list[Group], systems: list[str]) -> None:
+    """CPU: MB read from disk per generated token, plus the MB hf_moe_offload copied into its cache per token."""
+    def values(system: str, get: Callable[[dict], float]) -> list[float]:
+        return [get(r) if (r := row_in(results, system, g)) else 0.0 for g in groups]
 
     series = [(f"{s}: read from disk", values(s, lambda r: r["read_bytes_per_token"] / 1e6), COLORS[s], None)
               for s in systems]
     series += [(f"{s}: copied into its cache", values(s, lambda r: r["ours"]["bytes_to_device_per_token"] / 1e6),
                 CACHE_COLORS[s], "//") for s in systems if s in POLICIES]
-    grouped_bars(right, batches, series)
-    right.margins(y=0.12)
-    right.set_ylabel("MB per generated token (lower is better)")
-    right.legend(loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2, fontsize=8, frameon=False)
+    grouped_bars(ax, groups, series)
+    ax.margins(y=0.12)
+    ax.set_ylabel("MB per generated token (lower is better)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+
+
+def prefill_panel(ax, results: list[dict], groups: list[Group], systems: list[str]) -> None:
+    """CUDA: prefill (prompt) tokens/s per system and row group."""
+    series = [(s, [(row_in(results, s, g) or {}).get("prefill_tok_s") or 0.0 for g in groups], COLORS[s], None)
+              for s in systems]
+    grouped_bars(ax, groups, series)
+    ax.set_yscale("log")
+    ax.set_ylabel("prefill tokens/s, log scale (higher is better)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=2, fontsize=8, frameon=False)
+
+
+def plot(results: list[dict], title: str, png: Path) -> None:
+    """Left: decode tokens/s with the bounds. Right: bytes per token (CPU) or prefill tokens/s (CUDA)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = succeeded(results)
+    groups = row_groups(results)
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in results)]
+    cuda = any(r.get("device") == "cuda" for r in results)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(max(12.5, 2.2 * len(groups) * 2), 6.2))
+    decode_panel(left, results, groups, systems)
+    (prefill_panel if cuda else bytes_panel)(right, results, groups, systems)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(png, dpi=120)
     plt.close(fig)
-
-
 def machine_info(workdir: Path) -> dict[str, Any]:
     import accelerate
     import psutil
@@ -617,102 +1001,163 @@ def git_commit() -> dict[str, Any]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    d = ModelShape()
-    p.add_argument("--small", action="store_true", help=f"small preset for a smoke run ({SMALL.tag})")
-    p.add_argument("--hidden", type=int, default=d.hidden)
-    p.add_argument("--intermediate", type=int, default=d.intermediate)
-    p.add_argument("--layers", type=int, default=d.layers)
-    p.add_argument("--experts", type=int, default=d.experts)
-    p.add_argument("--top-k", type=int, default=d.top_k)
-    p.add_argument("--heads", type=int, default=d.heads)
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: the 1.5 GB model on the CPU; cuda: Mixtral-8x7B layers on GPU 0 under device-memory caps")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 2 layers, 16-token prompts, 4 new tokens, 1 warm-up token, one 16 GiB cap")
+    p.add_argument("--small", action="store_true", help=f"small shape for a CPU smoke run ({SMALL.tag})")
+    p.add_argument("--tiny", action="store_true", help=f"the smallest shape, for tests ({TINY.tag})")
+    for dim in ("hidden", "intermediate", "layers", "experts", "top-k", "heads", "kv-heads", "vocab"):
+        p.add_argument(f"--{dim}", type=int, default=None,
+                       help="default: the device's shape (cpu: ModelShape(); cuda: Mixtral-8x7B)"
+                       + ("; cuda: as many layers as the work dir's disk holds, at most 32" if dim == "layers" else ""))
     p.add_argument("--seed", type=int, default=0, help="seed for the weights and the prompt")
-    p.add_argument("--shard-size", default="400MB", help="save_pretrained max_shard_size")
-    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=SYSTEMS,
+    p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                    help="hf_moe_offload uses eviction='lru' (the issue's policy); hf_moe_offload_layer the library's "
-                        "default eviction='layer'")
-    p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--prompt-len", type=int, default=16)
-    p.add_argument("--new-tokens", type=int, default=16)
-    p.add_argument("--warmup-tokens", type=int, default=2,
-                   help="tokens of an untimed generate (other prompt) before the measured one; 0 to skip")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch threads per worker (1 by default: on a small shared machine two OpenMP threads "
-                        "contending with other work run several times slower; hf_moe_offload's copy thread also "
-                        "needs a core)")
+                        "default eviction='layer' (cpu: all four; cuda: resident accelerate hf_moe_offload_layer)")
+    p.add_argument("--stores", nargs="+", default=None, choices=("cpu", "disk"),
+                   help="cuda: where the offloaded experts live (default: cpu disk); the CPU benchmark reads disk")
+    p.add_argument("--caps-gib", type=float, nargs="+", default=None,
+                   help="cuda: device-memory caps in GiB (default: 16 24)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: cpu 1 8, cuda 1 64")
+    p.add_argument("--prompt-len", type=int, default=None, help="default: cpu 16, cuda 128")
+    p.add_argument("--new-tokens", type=int, default=None, help="default: 16")
+    p.add_argument("--warmup-tokens", type=int, default=None,
+                   help="tokens of an untimed generate (other prompt) before the measured one; 0 to skip (default 2)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per worker; 0: torch's default. cpu default 1 (on a small shared machine two "
+                        "OpenMP threads contending with other work run several times slower; hf_moe_offload's copy "
+                        "thread also needs a core); cuda default 0")
     p.add_argument("--no-evict", action="store_true",
                    help="keep the page cache warm (no posix_fadvise eviction before the run and after every step)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/hf_moe_offload_bench"),
                    help="where the random checkpoint and accelerate's offload folder live")
     p.add_argument("--out", type=Path, default=None,
-                   help="output path without extension (default: benchmarks/results/cpu_mixtral_1.5gb[_warm], or "
-                        "cpu_mixtral_small[_warm] with --small)")
-    p.add_argument("--idle-wait", type=float, default=30,
-                   help="before each system, wait up to this many seconds for other work to leave the CPUs idle "
-                        "(0: don't wait); the share of CPU other processes used during each run is reported")
+                   help="output path without extension (default: benchmarks/results/cpu_mixtral_1.5gb[_warm], "
+                        "cpu_mixtral_small / _tiny, or gpu_mixtral8x7b_<gpu name>[_quick][_warm])")
+    p.add_argument("--idle-wait", type=float, default=None,
+                   help="before each row, wait up to this many seconds for other work to leave the CPUs idle "
+                        "(0: don't wait; default: cpu 30, cuda 0); the share of CPU other processes used during "
+                        "each run is reported")
     p.add_argument("--worker-timeout", type=float, default=1800)
     p.add_argument("--from-json", type=Path, default=None,
                    help="don't run: re-render the table and the PNG from an earlier run's JSON")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return fill_defaults(p.parse_args(argv))
+
+
+def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Unset flags take the device's defaults, then --quick's (flags given on the command line win)."""
+    defaults = {**DEVICE_DEFAULTS[args.device], **(QUICK if args.quick else {})}
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    return args
 
 
 def shape_from_args(args: argparse.Namespace) -> ModelShape:
-    if args.small:
-        return SMALL
-    return ModelShape(hidden=args.hidden, intermediate=args.intermediate, layers=args.layers, experts=args.experts,
-                      top_k=args.top_k, heads=args.heads, kv_heads=args.kv_heads, vocab=args.vocab)
+    """The preset (--tiny, --small) or the device's base shape with the dimensions given on the command line."""
+    if args.tiny or args.small:
+        return TINY if args.tiny else SMALL
+    base = MIXTRAL_8X7B if args.device == "cuda" else ModelShape()
+    dims = {f.name: getattr(args, f.name) for f in dataclasses.fields(ModelShape) if getattr(args, f.name) is not None}
+    shape = dataclasses.replace(base, **dims)
+    if args.device == "cuda" and args.layers is None:
+        copies = 2 if "accelerate" in args.systems and "disk" in args.stores else 1
+        shape = dataclasses.replace(shape, layers=default_layers(args.workdir, shape, args.seed, copies))
+    return shape
 
 
-def default_out(args: argparse.Namespace) -> Path:
-    name = "cpu_mixtral_small" if args.small else "cpu_mixtral_1.5gb"
-    return REPO_ROOT / "benchmarks" / "results" / (name + ("_warm" if args.no_evict else ""))
+def default_out(args: argparse.Namespace, report: dict[str, Any]) -> Path:
+    warm = "_warm" if args.no_evict else ""
+    if args.device == "cuda":
+        gpu = re.sub(r"[^a-z0-9]+", "_", report["machine"]["gpu"]["name"].lower()).strip("_")
+        name = f"gpu_mixtral8x7b_{gpu}" + ("_quick" if args.quick else "")
+    else:
+        name = "cpu_mixtral_tiny" if args.tiny else "cpu_mixtral_small" if args.small else "cpu_mixtral_1.5gb"
+    return REPO_ROOT / "benchmarks" / "results" / (name + warm)
+
+
+def cuda_missing() -> str | None:
+    """Why `--device cuda` cannot run here (None: it can)."""
+    import torch
+
+    if torch.cuda.is_available():
+        return None
+    build = f"torch {torch.__version__} (CUDA {torch.version.cuda})" if torch.version.cuda else \
+        f"torch {torch.__version__} is a CPU-only build"
+    return f"--device cuda needs a visible CUDA GPU and a CUDA build of torch; {build}, torch.cuda.is_available() " \
+           f"is False"
+
+
+def worker_spec(args: argparse.Namespace, shape: ModelShape, path: Path, row: dict[str, Any]) -> dict[str, Any]:
+    """Everything a worker needs for one row."""
+    return {**row, "device": args.device, "evict": not args.no_evict, "checkpoint": str(path),
+            "offload_folder": str(args.workdir / "accelerate_offload"), "threads": args.threads,
+            "vocab": shape.vocab, "one_expert_bytes": shape.one_expert_bytes(), "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "seed": args.seed, "warmup_tokens": args.warmup_tokens}
+
+
+def run_rows(args: argparse.Namespace, shape: ModelShape, path: Path) -> list[dict[str, Any]]:
+    """Every planned row, one worker process each, in order."""
+    from tqdm.auto import tqdm
+
+    rows = plan_rows(args.device, shape, args.systems, args.stores, [int(c * GiB) for c in args.caps_gib],
+                     args.batch_sizes, args.prompt_len + args.new_tokens)
+    results = []
+    for row in tqdm(rows, desc="rows", unit="run"):
+        waited = wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
+        log.info("running %s at batch %d (store %s, cap %s, %s page cache)", row["system"], row["batch"],
+                 row["store"], fmt(row["cap_bytes"] / GiB if row["cap_bytes"] else None, ".0f"),
+                 "warm" if args.no_evict else "evicted")
+        r = spawn_worker(worker_spec(args, shape, path, row), args.worker_timeout)
+        r["idle_wait_s"] = waited
+        r["loadavg_1m_after"] = os.getloadavg()[0]
+        if "error" not in r:
+            log.info("%s batch %d: prefill %.1f tok/s, decode %.2f tok/s, %.1f MB read/token, peak RSS %.2f GiB",
+                     r["system"], r["batch"], r["prefill_tok_s"], r["decode_tok_s"], r["read_bytes_per_token"] / 1e6,
+                     r["peak_rss_bytes"] / GiB)
+        results.append(r)
+    shutil.rmtree(args.workdir / "accelerate_offload", ignore_errors=True)
+    return results
+
+
+def gpu_facts(results: list[dict]) -> dict[str, Any] | None:
+    """The GPU as the workers saw it, and the best pinned H2D bandwidth over all of them (None on the CPU)."""
+    cuda_rows = [r for r in succeeded(results) if "gpu" in r]
+    if not cuda_rows:
+        return None
+    rates = [x for r in cuda_rows for x in r["h2d"]["runs_bytes_per_s"]]
+    return {**cuda_rows[0]["gpu"], "h2d_bytes_per_s": max(rates), "h2d_median_bytes_per_s": statistics.median(rates)}
 
 
 def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
     started = time.perf_counter()
     load_before = os.getloadavg()
     git_start = git_commit()
-    shape = shape_from_args(args)
     args.workdir.mkdir(parents=True, exist_ok=True)
-    path = build_checkpoint(shape, args.seed, args.workdir, args.shard_size)
+    shape = shape_from_args(args)
+    path = build_checkpoint(shape, args.seed, args.workdir)
     files = checkpoint_files(path)
     bandwidth = disk_bandwidth(files)
-    runs = [(b, s) for b in args.batch_sizes for s in args.systems]
-    results = []
-    for batch, system in tqdm(runs, desc="systems", unit="run"):
-        spec = {"system": system, "batch": batch, "evict": not args.no_evict, "checkpoint": str(path),
-                "offload_folder": str(args.workdir / "accelerate_offload"), "threads": args.threads,
-                "vocab": shape.vocab, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "seed": args.seed,
-                "warmup_tokens": args.warmup_tokens}
-        waited = wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
-        log.info("running %s at batch %d (%s page cache)", system, batch, "warm" if args.no_evict else "evicted")
-        r = spawn_worker(spec, args.worker_timeout)
-        r["idle_wait_s"] = waited
-        r["loadavg_1m_after"] = os.getloadavg()[0]
-        log.info("%s batch %d: prefill %.2f s, decode %.2f tok/s, %.1f MB read/token, peak RSS %.2f GiB", system,
-                 batch, r["prefill_s"], r["decode_tok_s"], r["read_bytes_per_token"] / 1e6,
-                 r["peak_rss_bytes"] / 2**30)
-        results.append(r)
-    shutil.rmtree(args.workdir / "accelerate_offload", ignore_errors=True)
+    results = run_rows(args, shape, path)
     compare_tokens(results)
     bandwidth = combine_bandwidth(bandwidth, disk_bandwidth(files))   # again at the end: the disk may be shared
     add_ceilings(results, bandwidth["bytes_per_s"])
-    meta = json.loads((path / "bench_model.json").read_text())
+    meta = json.loads((path / MARKER).read_text())
     return {
         "command": shlex.join(["python", "scripts/bench.py", *argv]),
         "git": git_start,
         "git_at_end": git_commit(),   # differs from "git" if the library changed during the run
-        "machine": machine_info(args.workdir),
-        "model": {**meta, "checkpoint": str(path), "expert_bytes": shape.expert_bytes()},
-        "settings": {"batch_sizes": args.batch_sizes, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-                     "warmup_tokens": args.warmup_tokens,
-                     "evict_page_cache": not args.no_evict, "threads": args.threads, "seed": args.seed,
-                     "hf_moe_offload_policy": OURS_POLICY},
+        "machine": {**machine_info(args.workdir), "gpu": gpu_facts(results)},
+        "model": {**meta, "checkpoint": str(path), "expert_bytes": shape.expert_bytes(),
+                  "one_expert_bytes": shape.one_expert_bytes(), "non_expert_bytes": shape.non_expert_bytes()},
+        "settings": {"device": args.device, "batch_sizes": args.batch_sizes, "prompt_len": args.prompt_len,
+                     "new_tokens": args.new_tokens, "warmup_tokens": args.warmup_tokens, "systems": args.systems,
+                     "stores": args.stores if args.device == "cuda" else ["disk"],
+                     "caps_gib": args.caps_gib, "evict_page_cache": not args.no_evict, "threads": args.threads,
+                     "seed": args.seed, "hf_moe_offload_policy": OURS_POLICY},
         "disk_bandwidth": bandwidth,
         "results": results,
         "total_wall_s": time.perf_counter() - started,
@@ -721,7 +1166,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
 
 def reload_report(path: Path) -> dict[str, Any]:
-    """An earlier run's report with its derived numbers (bandwidth estimate, ceilings) recomputed; measurements as
+    """An earlier run's report with its derived numbers (bandwidth estimate, bounds) recomputed; measurements as
     they were."""
     report = json.loads(path.read_text())
     bw = report["disk_bandwidth"]
@@ -731,15 +1176,25 @@ def reload_report(path: Path) -> dict[str, Any]:
     return report
 
 
-def write_outputs(report: dict[str, Any], out: Path) -> None:
-    """`out`.json, `out`.png and the markdown table on stdout."""
-    json_path, png_path = out.parent / (out.name + ".json"), out.parent / (out.name + ".png")
-    json_path.write_text(json.dumps(report, indent=2) + "\n")
-    settings, machine = report["settings"], report["machine"]
+def report_title(report: dict[str, Any]) -> str:
+    settings, machine, model = report["settings"], report["machine"], report["model"]
     mode = "page cache evicted every step" if settings["evict_page_cache"] else "page cache warm"
-    title = (f"{report['model']['bytes_on_disk'] / 1e9:.2f} GB random Mixtral, CPU ({machine['logical_cores']} cores, "
-             f"{settings['threads']} torch thread(s)), {mode}, {settings['new_tokens']} new tokens; "
-             f"disk {report['disk_bandwidth']['bytes_per_s'] / 1e6:.0f} MB/s")
+    disk = f"disk {report['disk_bandwidth']['bytes_per_s'] / 1e6:.0f} MB/s"
+    if machine.get("gpu"):
+        gpu = machine["gpu"]
+        return (f"{model['shape']['layers']}-layer Mixtral-8x7B-shaped model ({model['bytes_on_disk'] / 1e9:.1f} GB, "
+                f"random bf16), {gpu['name']}, prompt {settings['prompt_len']}, {settings['new_tokens']} new tokens, "
+                f"{mode}; pinned H2D {gpu['h2d_bytes_per_s'] / 1e9:.1f} GB/s, {disk}")
+    return (f"{model['bytes_on_disk'] / 1e9:.2f} GB random Mixtral, CPU ({machine['logical_cores']} cores, "
+            f"{settings['threads']} torch thread(s)), {mode}, {settings['new_tokens']} new tokens; {disk}")
+
+
+def write_outputs(report: dict[str, Any], out: Path) -> None:
+    """`out`.json first (every measurement), then the markdown table on stdout, then `out`.png."""
+    json_path, png_path = out.parent / (out.name + ".json"), out.parent / (out.name + ".png")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    json_path.write_text(json.dumps(report, indent=2) + "\n")
+    title = report_title(report)
     print(f"\n{title}\n\n{markdown_table(report['results'])}\n")
     written = [json_path] + ([png_path] if try_plot(report["results"], title, png_path) else [])
     print(f"wrote {' and '.join(map(str, written))} (run took {report['total_wall_s']:.0f} s)")
@@ -757,6 +1212,7 @@ def try_plot(results: list[dict], title: str, png: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0 when every row ran, 1 when some row failed (its error is in the JSON), 2 for a device that is missing."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -768,10 +1224,12 @@ def main(argv: list[str] | None = None) -> int:
         out = args.from_json.with_name(args.from_json.name.removesuffix(".json"))
         write_outputs(reload_report(args.from_json), out)
         return 0
-    out = args.out or default_out(args)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    write_outputs(run_benchmark(args, argv), out)
-    return 0
+    if args.device == "cuda" and (why := cuda_missing()):
+        print(f"bench.py: error: {why}", file=sys.stderr)
+        return 2
+    report = run_benchmark(args, argv)
+    write_outputs(report, args.out or default_out(args, report))
+    return 0 if not any("error" in r for r in report["results"]) else 1
 
 
 if __name__ == "__main__":
