@@ -14,6 +14,7 @@ import json
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -94,12 +95,7 @@ def _shard_files(root: str) -> list[str]:
         raise CheckpointError(f"checkpoint directory {root!r} does not exist")
     index_path = os.path.join(root, "model.safetensors.index.json")
     if os.path.exists(index_path):
-        try:
-            with open(index_path) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError) as err:
-            raise CheckpointError(f"{index_path} is not a valid safetensors index: {err}") from err
-        files = [os.path.join(root, name) for name in sorted(set(weight_map.values()))]
+        files = [os.path.join(root, name) for name in sorted(set(_weight_map(index_path).values()))]
         missing = [f for f in files if not os.path.exists(f)]
         if missing:
             raise CheckpointError(f"checkpoint shard(s) listed in {index_path} are missing: "
@@ -110,6 +106,52 @@ def _shard_files(root: str) -> list[str]:
         return [single]
     raise CheckpointError(f"no safetensors checkpoint in {root!r} (expected model.safetensors or "
                           f"model.safetensors.index.json; .bin checkpoints cannot be offloaded per expert)")
+
+
+_INDEX_EXPECTED = ('expected a JSON object with "weight_map": {tensor name: shard file name, ...}, as '
+                   'save_pretrained writes it')
+
+
+def _weight_map(index_path: str) -> dict[str, str]:
+    """The index's tensor name -> shard file name map, its shape checked (a hand-edited or truncated index would
+    otherwise fail later with a TypeError that names no file).
+
+    Example:
+        >>> _weight_map("model/model.safetensors.index.json")["lm_head.weight"]   # doctest: +SKIP
+        'model-00002-of-00002.safetensors'
+    """
+    try:
+        with open(index_path, "rb") as f:
+            index = json.loads(f.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{index_path} is not a valid safetensors index: not JSON ({err}); "
+                              f"{_INDEX_EXPECTED}") from err
+    weight_map = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path} is not a valid safetensors index: {_index_problem(index)}; "
+                              f"{_INDEX_EXPECTED}")
+    bad = [key for key, name in weight_map.items() if not isinstance(name, str) or not name]
+    if bad:
+        raise CheckpointError(f"{index_path} is not a valid safetensors index: \"weight_map\" gives "
+                              f"{bad[0]!r} the value {weight_map[bad[0]]!r}"
+                              + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else "") + f"; {_INDEX_EXPECTED}")
+    return weight_map
+
+
+def _index_problem(index: Any) -> str:
+    """What is wrong with an index that has no usable "weight_map" object."""
+    if not isinstance(index, dict):
+        return f"the file holds a JSON {_json_type(index)}"
+    if "weight_map" not in index:
+        return f'it has no "weight_map" (keys: {sorted(index)})'
+    weight_map = index["weight_map"]
+    return '"weight_map" is empty' if weight_map == {} else f'"weight_map" is a JSON {_json_type(weight_map)}'
+
+
+def _json_type(value: Any) -> str:
+    """A parsed JSON value's type in JSON's own words (the user wrote JSON, not Python)."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return "null" if value is None else names.get(type(value), type(value).__name__)
 
 
 def read_header(path: str) -> dict[str, TensorEntry]:
@@ -127,22 +169,56 @@ def read_header(path: str) -> dict[str, TensorEntry]:
             header = json.loads(f.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise CheckpointError(f"checkpoint shard {path} has a corrupt header: {err}") from err
+    if not isinstance(header, dict):
+        raise CheckpointError(f"checkpoint shard {path} has a corrupt header: a JSON {_json_type(header)}, expected "
+                              f"an object {{tensor name: {_ENTRY_EXPECTED}}}")
     data_start = 8 + header_len
-    entries: dict[str, TensorEntry] = {}
-    end = data_start
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        dtype = SAFETENSORS_DTYPES.get(info["dtype"])
-        if dtype is None:
-            raise CheckpointError(f"{path}: tensor {key} has unsupported dtype {info['dtype']}")
-        begin, stop = info["data_offsets"]
-        entries[key] = TensorEntry(path, data_start + begin, dtype, tuple(info["shape"]))
-        end = max(end, data_start + stop)
+    entries = {key: _entry(path, key, info, data_start) for key, info in header.items() if key != "__metadata__"}
+    end = max((e.offset + e.nbytes for e in entries.values()), default=data_start)
     if end > size:
         raise CheckpointError(f"checkpoint shard {path} is truncated: its header needs {end} bytes, the file has "
                               f"{size}")
     return entries
+
+
+_ENTRY_EXPECTED = '{"dtype": "F32", "shape": [rows, ...], "data_offsets": [begin, end]}'
+
+
+def _entry(path: str, key: str, info: Any, data_start: int) -> TensorEntry:
+    """One header entry as a `TensorEntry`, every field checked: a malformed entry names the file and the tensor
+    instead of failing with a KeyError or TypeError, and offsets that disagree with dtype x shape are caught
+    before a read returns the wrong bytes.
+
+    Example:
+        >>> _entry("m.safetensors", "w", {"dtype": "F32", "shape": [2, 3], "data_offsets": [0, 24]}, 8).offset
+        8
+    """
+    def corrupt(problem: str) -> CheckpointError:
+        return CheckpointError(f"checkpoint shard {path} has a corrupt header: tensor {key!r} {problem}; expected "
+                               f"{_ENTRY_EXPECTED}")
+
+    if not isinstance(info, dict):
+        raise corrupt(f"is a JSON {_json_type(info)}")
+    missing = [name for name in ("dtype", "shape", "data_offsets") if name not in info]
+    if missing:
+        raise corrupt(f"lacks {missing}")
+    dtype = SAFETENSORS_DTYPES.get(info["dtype"]) if isinstance(info["dtype"], str) else None
+    if dtype is None:
+        raise corrupt(f"has unsupported dtype {info['dtype']!r} (supported: {sorted(SAFETENSORS_DTYPES)})")
+    shape, offsets = info["shape"], info["data_offsets"]
+    if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+        raise corrupt(f"has shape {shape!r}, not a list of sizes >= 0")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
+            and offsets[0] <= offsets[1]):
+        raise corrupt(f"has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
+    entry = TensorEntry(path, data_start + offsets[0], dtype, tuple(shape))
+    if offsets[1] - offsets[0] != entry.nbytes:
+        raise corrupt(f"spans {offsets[1] - offsets[0]} bytes, but {info['dtype']} x {shape} needs {entry.nbytes}")
+    return entry
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def read_into(rng: ByteRange, dst: torch.Tensor, fd: int, bounce: torch.Tensor | None = None) -> None:
