@@ -110,7 +110,8 @@ class OffloadPolicy:
     max_seq_len: int | str = field(
         default=AUTO,
         metadata={"help": 'Longest sequence (prompt + new tokens), a hint for expert_cache="auto" like '
-                          f'max_batch_size; "auto": the model\'s max_position_embeddings, at most {DEFAULT_MAX_SEQ_LEN}.'},
+                          'max_batch_size; "auto": the model\'s max_position_embeddings, at most '
+                          f'{DEFAULT_MAX_SEQ_LEN}.'},
     )
 
     @classmethod
