@@ -65,6 +65,8 @@ class Footprint:
 
 
 class SequenceCosts(TypedDict):
+    """`Footprint` fields read from a config (`sequence_costs`), passed on as `Footprint(..., **costs)`."""
+
     kv_bytes_per_token: int
     activation_bytes_per_token: int
     max_positions: int
@@ -179,8 +181,8 @@ def _store(policy: OffloadPolicy, device: torch.device, fp: Footprint) -> tuple[
     if policy.store != AUTO:
         return policy.store, ""
     if device.type == "cpu" and policy.expert_cache != AUTO:
-        return "disk", (f" (expert_cache={policy.expert_cache!r} given for the CPU device: experts in host memory "
-                        f"would be used in place and the budget ignored; the disk store keeps it)")
+        return "disk", (f" (expert_cache={_short(policy.expert_cache)} given for the CPU device: experts in host "
+                        f"memory would be used in place and the budget ignored; the disk store keeps it)")
     needed = fp.expert_bytes + (fp.resident_bytes if device.type == "cpu" else 0)
     available = psutil.virtual_memory().available * (1 - HOST_HEADROOM)
     return ("cpu" if needed <= available else "disk"), ""

@@ -4,6 +4,7 @@ that offloading frees. CUDA sizing is checked on the CPU with a mocked `torch.cu
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -137,7 +138,7 @@ def test_workload_hints_grow_the_headroom(cuda):
 
 def test_auto_sequence_length_is_the_models_when_shorter(cuda):
     cuda["free"] = 6 * GiB
-    short = Footprint(**{**FP.__dict__, "max_positions": 1024})
+    short = dataclasses.replace(FP, max_positions=1024)
     resolved = resolve(OffloadPolicy.from_any({"store": "cpu"}), short)
     assert resolved.policy.max_seq_len == 1024
     assert resolved.cache_bytes == 6 * GiB - FP.resident_bytes - 1024 * (384 << 10) - CUDA_HEADROOM_FLOOR
@@ -163,13 +164,13 @@ def test_kv_bytes_per_token_from_the_config(config, dtype, kv):
 
 def test_experts_already_on_the_device_count_as_free_and_the_resident_part_once(cuda):
     cuda["free"] = 1 * GiB               # the whole model sits on the GPU now
-    on_gpu = Footprint(**{**FP.__dict__, "experts_device": "cuda:0", "resident_device": "cuda:0"})
+    on_gpu = dataclasses.replace(FP, experts_device="cuda:0", resident_device="cuda:0")
     resolved = resolve(OffloadPolicy.from_any({"store": "cpu"}), on_gpu)
     assert resolved.cache_bytes == 1 * GiB + FP.expert_bytes - HEADROOM_1x4096
 
 
 def test_experts_on_another_device_free_nothing_here(cuda):
     cuda["free"] = 6 * GiB
-    on_cpu = Footprint(**{**FP.__dict__, "experts_device": "cpu", "resident_device": "cpu"})
+    on_cpu = dataclasses.replace(FP, experts_device="cpu", resident_device="cpu")
     resolved = resolve(OffloadPolicy.from_any({"store": "cpu"}), on_cpu)
     assert resolved.cache_bytes == 6 * GiB - FP.resident_bytes - HEADROOM_1x4096
