@@ -1072,7 +1072,8 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
 def default_out(args: argparse.Namespace, report: dict[str, Any]) -> Path:
     warm = "_warm" if args.no_evict else ""
     if args.device == "cuda":
-        gpu = re.sub(r"[^a-z0-9]+", "_", report["machine"]["gpu"]["name"].lower()).strip("_")
+        name = (report["machine"]["gpu"] or {"name": "unknown gpu"})["name"]     # None: every row failed
+        gpu = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
         name = f"gpu_mixtral8x7b_{gpu}" + ("_quick" if args.quick else "")
     else:
         name = "cpu_mixtral_tiny" if args.tiny else "cpu_mixtral_small" if args.small else "cpu_mixtral_1.5gb"
@@ -1180,8 +1181,8 @@ def report_title(report: dict[str, Any]) -> str:
     settings, machine, model = report["settings"], report["machine"], report["model"]
     mode = "page cache evicted every step" if settings["evict_page_cache"] else "page cache warm"
     disk = f"disk {report['disk_bandwidth']['bytes_per_s'] / 1e6:.0f} MB/s"
-    if machine.get("gpu"):
-        gpu = machine["gpu"]
+    if settings.get("device") == "cuda":
+        gpu = machine["gpu"] or {"name": "GPU (no row ran)", "h2d_bytes_per_s": float("nan")}
         return (f"{model['shape']['layers']}-layer Mixtral-8x7B-shaped model ({model['bytes_on_disk'] / 1e9:.1f} GB, "
                 f"random bf16), {gpu['name']}, prompt {settings['prompt_len']}, {settings['new_tokens']} new tokens, "
                 f"{mode}; pinned H2D {gpu['h2d_bytes_per_s'] / 1e9:.1f} GB/s, {disk}")
@@ -1202,6 +1203,9 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
 
 def try_plot(results: list[dict], title: str, png: Path) -> bool:
     """Render the PNG if matplotlib is there; without it, one warning line (the JSON holds every measurement)."""
+    if not succeeded(results):
+        log.warning("no plot: no row succeeded (the JSON has each row's error)")
+        return False
     try:
         import matplotlib  # noqa: F401
     except ImportError:

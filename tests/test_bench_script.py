@@ -1,0 +1,139 @@
+"""scripts/bench.py at its --tiny size on the CPU: the JSON rows, per-row peak RSS, a missing matplotlib, a missing
+GPU, and the CUDA report path fed with CPU rows (the GPU run itself cannot happen here)."""
+
+from __future__ import annotations
+
+import builtins
+import dataclasses
+import importlib.util
+import json
+import logging
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "bench.py"
+SYSTEMS = ["resident", "accelerate", "hf_moe_offload"]
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location("bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench"] = module          # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = load_bench()
+
+
+class Records(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One tiny CPU run of three systems from a parent whose peak RSS is far above a worker's, with matplotlib
+    unimportable."""
+    tmp = tmp_path_factory.mktemp("bench")
+    ballast = b"\x01" * (768 * 2**20)        # touched: the parent's peak RSS grows by 768 MiB
+    real_import = builtins.__import__
+
+    def no_matplotlib(name, *args, **kwargs):
+        if name == "matplotlib" or name.startswith("matplotlib."):
+            raise ImportError("No module named 'matplotlib'")
+        return real_import(name, *args, **kwargs)
+
+    records = Records()
+    logging.getLogger("bench").addHandler(records)
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(builtins, "__import__", no_matplotlib)
+            rc = bench.main(["--tiny", "--systems", *SYSTEMS, "--batch-sizes", "2", "--prompt-len", "8",
+                             "--new-tokens", "3", "--warmup-tokens", "1", "--idle-wait", "0",
+                             "--workdir", str(tmp / "work"), "--out", str(tmp / "out" / "tiny")])
+    finally:
+        logging.getLogger("bench").removeHandler(records)
+    parent_peak = bench.peak_rss_bytes()
+    del ballast
+    return {"rc": rc, "out": tmp / "out", "warnings": records.lines, "parent_peak": parent_peak,
+            "report": json.loads((tmp / "out" / "tiny.json").read_text())}
+
+
+def test_json_has_one_row_per_system_and_the_greedy_tokens_agree(tiny_run):
+    report = tiny_run["report"]
+    rows = report["results"]
+    assert [r["system"] for r in rows] == SYSTEMS
+    assert all("error" not in r and r["batch"] == 2 and r["decode_steps"] == 2 for r in rows)
+    assert all(r["decode_tok_s"] > 0 and r["prefill_tok_s"] > 0 for r in rows)
+    assert [r["tokens_match"] for r in rows] == [None, True, True]
+    assert rows[1]["offloaded_bytes_per_step"] == report["model"]["expert_bytes"]   # accelerate: experts on disk
+    assert 0 <= rows[2]["ours"]["decode_hit_rate"] <= 1
+    assert "--tiny" in report["command"] and report["settings"]["device"] == "cpu"
+
+
+def test_peak_rss_is_each_workers_own(tiny_run):
+    """ru_maxrss would have shown the parent's peak (768 MiB of ballast above a worker's) in every row."""
+    peaks = [r["peak_rss_bytes"] for r in tiny_run["report"]["results"]]
+    assert all(0 < p < tiny_run["parent_peak"] - 512 * 2**20 for p in peaks), (peaks, tiny_run["parent_peak"])
+
+
+def test_missing_matplotlib_warns_in_one_line_and_keeps_the_json(tiny_run):
+    assert tiny_run["rc"] == 0
+    assert sorted(p.name for p in tiny_run["out"].iterdir()) == ["tiny.json"]
+    assert [w for w in tiny_run["warnings"] if "matplotlib" in w] == [
+        "no plot: matplotlib is not installed; pip install matplotlib (or .[bench]) for the plot"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_cuda_without_a_gpu_fails_clearly_before_writing(tmp_path, capsys):
+    rc = bench.main(["--device", "cuda", "--quick", "--workdir", str(tmp_path / "work"),
+                     "--out", str(tmp_path / "out" / "gpu")])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert err.startswith("bench.py: error: --device cuda needs a visible CUDA GPU") and "Traceback" not in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cuda_plan_splits_each_cap_and_sizes_the_disk():
+    shape = dataclasses.replace(bench.MIXTRAL_8X7B, layers=10)
+    caps = [16 * bench.GiB, 24 * bench.GiB]
+    rows = bench.plan_rows("cuda", shape, ["resident", "accelerate", "hf_moe_offload_layer"], ["cpu", "disk"], caps,
+                           [1, 64], 144)
+    assert len(rows) == 2 * 2 * 2 * 2           # resident (27 GiB) fits under neither cap
+    for r in rows:
+        assert r["expert_cache_bytes"] + shape.non_expert_bytes() + r["working_bytes"] == r["cap_bytes"]
+        assert r["expert_cache_bytes"] >= shape.top_k * shape.one_expert_bytes()
+    quick = dataclasses.replace(bench.MIXTRAL_8X7B, layers=2)
+    assert [r["system"] for r in bench.plan_rows("cuda", quick, ["resident"], ["cpu"], caps[:1], [1], 20)] == \
+        ["resident"]
+    assert 2.7 < bench.MIXTRAL_8X7B.layer_bytes() * 1.05 / bench.GiB < 2.9
+    assert bench.layers_for_disk(60 * bench.GiB, bench.MIXTRAL_8X7B, copies=1) == 19
+    assert bench.layers_for_disk(10**15, bench.MIXTRAL_8X7B, copies=2) == 32
+
+
+def test_cuda_report_path_on_cpu_rows(tiny_run, tmp_path):
+    """The GPU run's bounds, table, title and plot, fed the tiny run's rows dressed as CUDA rows."""
+    pytest.importorskip("matplotlib")
+    report = json.loads(json.dumps(tiny_run["report"]))
+    h2d = 10e9
+    for r in report["results"]:
+        r.update(device="cuda", cap_bytes=16 * bench.GiB, h2d={"bytes_per_s": h2d, "runs_bytes_per_s": [h2d]},
+                 gpu={"name": "Fake GPU"}, peak_device_bytes=2**30, store=None if r["system"] == "resident" else "cpu")
+    report["results"][1]["store"] = "disk"
+    report["machine"]["gpu"] = {**bench.gpu_facts(report["results"])}
+    bench.add_ceilings(report["results"], disk_bytes_per_s=1e9)
+    resident, accelerate, ours = report["results"]
+    assert resident["io_ceiling_tok_s"] is None
+    assert accelerate["bound_bandwidth_bytes_per_s"] == 1e9          # disk store: the disk is the slower link
+    assert accelerate["must_move_bytes_per_token"] == accelerate["offloaded_bytes_per_step"] / 2
+    assert ours["bound_bandwidth_bytes_per_s"] == h2d                # pinned store: H2D is the only link
+    bench.write_outputs(report, tmp_path / "gpu")
+    assert (tmp_path / "gpu.json").exists() and (tmp_path / "gpu.png").stat().st_size > 0
