@@ -840,9 +840,10 @@ def markdown_table(results: list[dict]) -> str:
             lines.append(f"| {r['system']} | {r.get('store') or '–'} | {cap} | {r['batch']} | failed: {r['error']} |")
             continue
         ours = r.get("ours")
+        ref = r.get("reference", "resident")           # runs before `reference` was recorded compared to resident
         match = "ref" if r.get("tokens_match") is None else (
-            f"yes ({r['reference']})" if r["tokens_match"] else
-            f"no ({r['mismatched_tokens']}/{r['decode_tokens'] + r['batch']} vs {r['reference']})")
+            f"yes ({ref})" if r["tokens_match"] else
+            f"no ({r['mismatched_tokens']}/{r['decode_tokens'] + r['batch']} vs {ref})")
         lines.append("| " + " | ".join([
             r["system"], r.get("store") or "–", cap, str(r["batch"]), f"{r['load_s']:.1f}",
             fmt(r.get("prefill_tok_s"), ".1f"), f"{r['decode_tok_s']:.2f}", fmt(r["io_ceiling_tok_s"], ".2f"),
