@@ -12,6 +12,7 @@ is allocated.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import threading
@@ -25,7 +26,7 @@ import transformers.core_model_loading as core_model_loading
 import transformers.modeling_utils as modeling_utils
 
 from .arch import MoEArch, MoELayer, get_arch
-from .auto import Footprint, resolve
+from .auto import Footprint, resolve, sequence_costs
 from .checkpoint import SAFETENSORS_DTYPES, CheckpointIndex, resolve_checkpoint_dir
 from .engine import OffloadEngine, get_engine, move_resident_part
 from .execute import EXPERTS_IMPLEMENTATION
@@ -103,10 +104,15 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
         raise PolicyError("the model's experts are on the meta device (not loaded); load it with "
                           "from_pretrained(..., offload_policy=...) instead")
     dtype = expert_params[0].dtype
-    resolved = resolve(policy, footprint(model, layers, dtype))
+    original_device = expert_params[0].device
+    resident_device = next((p.device for n, p in model.named_parameters() if p.device.type != "meta"
+                            and not any(n.startswith(lay.name + ".") for lay in layers)), original_device)
+    # Experts already on a device count as free memory there: they are released before the cache is allocated.
+    fp = dataclasses.replace(footprint(model, layers, dtype), experts_device=str(original_device),
+                             resident_device=str(resident_device))
+    resolved = resolve(policy, fp)
     predictor = _load_predictor(policy, model)
     device = torch.device(resolved.policy.device)
-    original_device = expert_params[0].device
 
     folder, own_folder = None, False
     if resolved.policy.store == "disk":
@@ -119,8 +125,6 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
             raise
     else:
         store = CpuStore.from_modules(layers, arch, dtype, device=device)
-    resident_device = next((p.device for n, p in model.named_parameters() if p.device.type != "meta"
-                            and not any(n.startswith(lay.name + ".") for lay in layers)), device)
     moved_from = None
     if resident_device != device:
         move_resident_part(model, layers, device)
@@ -150,7 +154,8 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype) -> F
     resident = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids) * dtype.itemsize
     slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
     experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
-    return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k)
+    return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k,
+                     **sequence_costs(model.config, dtype))
 
 
 def _warn_if_experts_implementation_requested(requested: str | None) -> None:
