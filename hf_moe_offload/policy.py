@@ -12,6 +12,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -116,11 +117,13 @@ class OffloadPolicy:
 
     @classmethod
     def from_any(cls, value: "OffloadPolicy | Mapping[str, Any] | str | None") -> "OffloadPolicy":
-        """Build a validated policy from a policy, a dict of fields, or a preset name."""
+        """Build a validated policy from a policy, a dict of fields, a preset name, or a JSON object string."""
         if value is None:
             value = AUTO
         if isinstance(value, OffloadPolicy):
             return dataclasses.replace(value).validate()
+        if isinstance(value, str):
+            value = policy_value(value)
         if isinstance(value, str):
             if value not in PRESETS:
                 raise PolicyError(f"unknown offload_policy preset {value!r}; allowed presets: {sorted(PRESETS)}, "
@@ -160,6 +163,27 @@ class OffloadPolicy:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def policy_value(text: str) -> str | dict[str, Any]:
+    """A policy given as text (a command line, lm-eval's model arguments): a JSON object becomes a dict of fields,
+    anything else is a preset name. The one place policy strings are parsed.
+
+    Example:
+        >>> policy_value(' {"store": "disk"} '), policy_value("low-ram")
+        ({'store': 'disk'}, 'low-ram')
+    """
+    text = text.strip()
+    if not text.startswith("{"):
+        return text
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PolicyError(f"offload policy {text!r} is not valid JSON ({err}); allowed: a preset name "
+                          f"{sorted(PRESETS)} or a JSON object with keys {field_names()}") from None
+    if not isinstance(value, dict):
+        raise PolicyError(f"offload policy {text!r} is not a JSON object; allowed keys: {field_names()}")
+    return value
 
 
 def field_names() -> list[str]:

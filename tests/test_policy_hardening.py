@@ -174,3 +174,13 @@ def test_experts_on_another_device_free_nothing_here(cuda):
     on_cpu = dataclasses.replace(FP, experts_device="cpu", resident_device="cpu")
     resolved = resolve(OffloadPolicy.from_any({"store": "cpu"}), on_cpu)
     assert resolved.cache_bytes == 6 * GiB - FP.resident_bytes - HEADROOM_1x4096
+
+
+def test_a_policy_given_as_json_text_is_parsed_with_clear_errors():
+    from hf_moe_offload.policy import OffloadPolicy, PolicyError
+
+    assert OffloadPolicy.from_any(' {"store": "disk", "expert_cache": "25%"} ').store == "disk"
+    with pytest.raises(PolicyError, match="not valid JSON.*allowed: a preset name"):
+        OffloadPolicy.from_any('{"store": disk}')
+    with pytest.raises(PolicyError, match="unknown offload_policy preset"):
+        OffloadPolicy.from_any("[1, 2]")

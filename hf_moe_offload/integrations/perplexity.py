@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
-from ..policy import OffloadPolicy, PolicyError
+from ..policy import OffloadPolicy, PolicyError, policy_value
 from .policy_args import given_fields, policy_from_args, policy_parser
 
 logger = logging.getLogger(__name__)
@@ -177,7 +177,7 @@ def parse_policy(value: Any) -> Any:
         text = value.strip()
         if text.lower() in NO_POLICY:
             return None
-        return json.loads(text) if text.startswith("{") else text
+        return policy_value(text)
     return value
 
 

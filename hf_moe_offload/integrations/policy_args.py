@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import logging
 import types
 import typing
@@ -43,7 +42,7 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser
 
-from ..policy import AUTO, PRESETS, OffloadPolicy, PolicyError, field_names
+from ..policy import AUTO, PRESETS, OffloadPolicy, PolicyError, field_names, policy_value
 
 logger = logging.getLogger(__name__)
 
@@ -110,17 +109,9 @@ def policy_fields(value: Any, source: str = POLICY_KEY) -> dict[str, Any]:
         return {}
     if isinstance(value, OffloadPolicy):
         return value.to_dict()
-    if isinstance(value, str):
-        text = value.strip()
-        if text.startswith("{"):
-            try:
-                value = json.loads(text)
-            except json.JSONDecodeError as err:
-                raise PolicyError(f"{source}={value!r} is not valid JSON ({err}); give a preset name "
-                                  f"{sorted(PRESETS)} or a JSON object with keys {field_names()}") from err
-        else:
-            value = text
     try:
+        if isinstance(value, str):
+            value = policy_value(value)
         policy = OffloadPolicy.from_any(value)
     except PolicyError as err:
         raise PolicyError(f"bad {source}: {err}") from err

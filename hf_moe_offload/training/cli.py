@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..arch import UnsupportedModelError, get_arch
-from ..policy import PRESETS, OffloadPolicy, PolicyError, field_names, normalize_device
+from ..policy import OffloadPolicy, PolicyError, normalize_device
 from ..prefetch.hash_predictor import HashPredictorConfig, PredictorFileError, PredictorMismatchError, fingerprint
 from .routing_data import (ROUTING_META, DatasetFieldError, EmptyDatasetError, RoutingData, collect_routing,
                            load_text_dataset, routing_bytes, tokenize_dataset)
@@ -88,13 +88,8 @@ def device_arg(text: str) -> str:
 
 def policy_arg(text: str) -> OffloadPolicy:
     """An offload policy: a preset name or a JSON object, validated."""
-    text = text.strip()
     try:
-        value = json.loads(text) if text.startswith("{") else text
-        return OffloadPolicy.from_any(value)
-    except json.JSONDecodeError as err:
-        raise argparse.ArgumentTypeError(f"not valid JSON ({err}); allowed: a preset {sorted(PRESETS)} or a JSON "
-                                         f"object with keys {field_names()}") from None
+        return OffloadPolicy.from_any(text)
     except PolicyError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
 
