@@ -95,8 +95,8 @@ class OffloadPolicy:
     )
     predictor: str | None = field(
         default=None,
-        metadata={"help": "Directory of a predictor trained by scripts/train_hash.py (needed by prefetch='hash' "
-                          "and routing='predicted')."},
+        metadata={"help": "A directory or Hub repo id of a predictor trained by `hf-moe-offload train-hash` "
+                          "(needed by prefetch='hash' and routing='predicted')."},
     )
     routing: str = field(
         default="router",

@@ -381,7 +381,8 @@ def check_out_dir(out_dir: Path) -> None:
     if out_dir.exists():
         if not out_dir.is_dir():
             raise FileExistsError(f"{out_dir} exists and is not a directory")
-        other = sorted(p.name for p in out_dir.iterdir() if p.name not in _OWN_FILES)
+        # A predictor written by `save_pretrained` also has its model card.
+        other = sorted(p.name for p in out_dir.iterdir() if p.name not in _OWN_FILES | {"README.md"})
         if other:
             raise FileExistsError(f"{out_dir} holds files that are not a predictor checkpoint ({other[:5]}); "
                                   f"choose an empty or new --out directory")
