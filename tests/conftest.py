@@ -42,6 +42,18 @@ def model_class(family: str):
     return AutoModelForSeq2SeqLM if family == "switch_transformers" else AutoModelForCausalLM
 
 
+def token_inputs(batch: int, length: int, seed: int = 1, left_pad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random prompt ids and their attention mask; `left_pad` pads rows 1 and 2 by 3 and 5 tokens on the left."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
+    mask = torch.ones_like(ids)
+    if left_pad:
+        for row, pad in enumerate([0, 3, 5][:batch]):
+            ids[row, :pad] = 0
+            mask[row, :pad] = 0
+    return ids, mask
+
+
 def build_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32, **save_kwargs) -> str:
     """Build a tiny `family` model with random weights and save it in the Hub layout at `path`."""
     torch.manual_seed(seed)

@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import hf_moe_offload
-from conftest import VOCAB, offloaded, reference
+from conftest import VOCAB, offloaded, reference, token_inputs
 from hf_moe_offload.cache import ExpertCache
 from hf_moe_offload.copy_engine import CudaCopyEngine
 from hf_moe_offload.layout import SlabLayout
@@ -105,13 +105,7 @@ def _store(kind: str, **kwargs) -> ExpertStore:
 
 
 def _ids(batch: int = 1, length: int = 8, seed: int = 2, left_pad: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    if left_pad:
-        for row, pad in enumerate([0, 3, 5][:batch]):
-            ids[row, :pad] = 0
-            mask[row, :pad] = 0
+    ids, mask = token_inputs(batch, length, seed, left_pad)
     return ids.to(CUDA), mask.to(CUDA)
 
 

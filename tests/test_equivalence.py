@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_moe_offload
-from conftest import CAUSAL_FAMILIES, FAMILIES, VOCAB, offloaded, reference
+from conftest import CAUSAL_FAMILIES, FAMILIES, offloaded, reference, token_inputs
 
 POLICIES = {
     "cpu-store": {"device": "cpu", "store": "cpu"},
@@ -15,15 +15,7 @@ POLICIES = {
 }
 
 
-def _inputs(batch: int, length: int, seed: int = 1, left_pad: bool = False):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(3, VOCAB, (batch, length), generator=g)
-    mask = torch.ones_like(ids)
-    if left_pad:
-        for row, pad in enumerate([0, 3, 5][:batch]):
-            ids[row, :pad] = 0
-            mask[row, :pad] = 0
-    return ids, mask
+_inputs = token_inputs
 
 
 def _logits(model, family, ids, mask):
