@@ -123,6 +123,7 @@ def test_demand_loads_overtake_queued_prefetches():
 def test_a_disk_store_dropped_without_close_closes_its_files(tmp_path):
     """A model dropped without disable() used to leak one fd per shard: the store's finalizer closes them."""
     store = _disk_store(tmp_path, num_layers=3)
+    gc.collect()                                         # objects of earlier tests close their files now, not below
     before = _open_fds()
     dst = torch.empty(NUMEL)
     for layer in range(3):
@@ -136,6 +137,7 @@ def test_a_disk_store_dropped_without_close_closes_its_files(tmp_path):
 
 def test_a_closed_disk_store_reopens_its_files_and_still_closes_them_when_dropped(tmp_path):
     store = _disk_store(tmp_path, num_layers=2)
+    gc.collect()
     before = _open_fds()
     dst = torch.empty(NUMEL)
     store.read_into(0, 3, dst)
