@@ -1,0 +1,170 @@
+"""Continuous batching (transformers' `generate_batch`) on an offloaded model: the token budget per pass.
+
+An offloaded forward pass costs about one read of the experts its tokens route to, whatever the number of tokens, so
+every pass should carry as many tokens as memory allows. transformers sizes a continuous-batching run on its own
+when `max_batch_tokens` and `num_blocks` are unset: 8192 tokens per pass and a paged KV cache filling 60% (CPU) or
+80-90% (CUDA) of the memory free at that moment — memory the offload policy did not plan for (on the CPU it is the
+page cache a disk store reads through). `offload_batching_config` sizes both from the policy instead:
+
+- KV cache: `max_batch_size x max_seq_len` tokens (the policy's workload hints, which the "auto" expert cache
+  left room for), i.e. `num_blocks = ceil(that / page_size)`.
+- tokens per pass: the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)`
+  entries (not with flash attention), fit in the activation memory the policy left for those same tokens
+  (`hf_moe_offload.auto.sequence_costs`), but never fewer than the tokens at which a pass touches
+  `COVERAGE` of a layer's experts (a pass of T tokens with top-k of E experts touches about
+  E x (1 - (1 - k/E)^T) of them): below that, experts are read for too few tokens.
+
+transformers' default scheduler, "fifo", is decode-maximal (SARATHI): every pass carries every running decode first
+and fills the rest of the token budget with prompt chunks (see docs/continuous_batching.md); "prefill_first" is not
+(it lets decodes wait while prompts are split across passes).
+
+Example:
+    >>> import hf_moe_offload
+    >>> from hf_moe_offload.batching import offload_batching_config
+    >>> model = AutoModelForCausalLM.from_pretrained(path, offload_policy={"store": "disk"})   # doctest: +SKIP
+    >>> cb_config = offload_batching_config(model)                                            # doctest: +SKIP
+    >>> out = model.generate_batch(prompt_ids, generation_config=GenerationConfig(max_new_tokens=64),
+    ...                            continuous_batching_config=cb_config)                      # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+
+from torch import nn
+from transformers import ContinuousBatchingConfig
+from transformers.utils.generic import is_flash_attention_requested
+
+from .auto import sequence_costs
+from .engine import get_engine
+from .policy import PolicyError, format_bytes
+
+logger = logging.getLogger(__name__)
+
+COVERAGE = 0.99   # share of a layer's experts a pass must touch for its reads to count as amortized
+
+
+@dataclass(frozen=True)
+class TokenBudget:
+    """The continuous-batching sizes chosen for an offloaded model, and what they came from.
+
+    Example:
+        >>> TokenBudget(max_batch_tokens=3976, num_blocks=16, kv_tokens=4096, coverage_tokens=17).num_blocks
+        16
+    """
+
+    max_batch_tokens: int   # query tokens per forward pass
+    num_blocks: int         # paged KV cache blocks of `page_size` tokens
+    kv_tokens: int          # max_batch_size x max_seq_len from the policy
+    coverage_tokens: int    # the floor: tokens at which a pass touches COVERAGE of a layer's experts
+
+
+def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
+    """Expected number of a layer's experts that a pass of `tokens` tokens routes to (uniform routing).
+
+    Example:
+        >>> round(experts_touched(8, 2, 1), 3), round(experts_touched(8, 2, 16), 2)
+        (2.0, 7.92)
+    """
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def coverage_tokens(num_experts: int, top_k: int, coverage: float = COVERAGE) -> int:
+    """The fewest tokens at which a pass touches `coverage` of a layer's experts (`experts_touched`).
+
+    Example:
+        >>> coverage_tokens(8, 2), coverage_tokens(128, 8), coverage_tokens(4, 4)
+        (17, 72, 1)
+    """
+    if top_k >= num_experts:
+        return 1
+    return max(1, math.ceil(math.log(1 - coverage) / math.log(1 - top_k / num_experts)))
+
+
+def tokens_within_activation_memory(kv_tokens: int, activation_bytes_per_token: int, mask_bytes_per_entry: int
+                                    ) -> int:
+    """The most tokens M (at most `kv_tokens`) with M x activation + M x (kv_tokens + M) x mask entry bytes
+    <= kv_tokens x activation, i.e. whose activations and attention mask fit the activation memory the policy left
+    for `kv_tokens` tokens. `mask_bytes_per_entry` is 0 where no mask is built (flash attention).
+
+    Example:
+        >>> tokens_within_activation_memory(4096, 537088, 0)    # Mixtral-8x7B bf16, flash attention
+        4096
+        >>> tokens_within_activation_memory(4096, 537088, 2)    # sdpa: the bf16 mask takes a share
+        3976
+    """
+    budget = kv_tokens * activation_bytes_per_token
+    if mask_bytes_per_entry == 0:
+        return kv_tokens
+    # a M^2 + b M - budget <= 0, with a = mask bytes, b = activation + mask bytes x KV tokens
+    a, b = mask_bytes_per_entry, activation_bytes_per_token + mask_bytes_per_entry * kv_tokens
+    tokens = (math.isqrt(b * b + 4 * a * budget) - b) // (2 * a)
+    while a * (tokens + 1) ** 2 + b * (tokens + 1) <= budget:   # isqrt floors: step up to the exact root
+        tokens += 1
+    return min(tokens, kv_tokens)
+
+
+def token_budget(model: nn.Module, page_size: int) -> TokenBudget:
+    """The token budget of an offloaded model's continuous batching (the rule in this module's docstring).
+
+    Example:
+        >>> token_budget(mixtral_8x7b_bf16_sdpa_offloaded, page_size=256)      # doctest: +SKIP
+        TokenBudget(max_batch_tokens=3976, num_blocks=16, kv_tokens=4096, coverage_tokens=17)
+    """
+    engine = _causal_engine(model)
+    policy = engine.policy
+    kv_tokens = int(policy.max_batch_size) * int(policy.max_seq_len)
+    activation = sequence_costs(model.config, model.dtype)["activation_bytes_per_token"]
+    mask_entry = 0 if is_flash_attention_requested(model.config) else model.dtype.itemsize
+    floor = max(coverage_tokens(layer.num_experts, layer.top_k) for layer in engine.layers)
+    max_batch_tokens = max(floor, tokens_within_activation_memory(kv_tokens, activation, mask_entry))
+    num_blocks = math.ceil(max(kv_tokens, max_batch_tokens) / page_size)
+    return TokenBudget(max_batch_tokens, num_blocks, kv_tokens, floor)
+
+
+def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | None = None, **overrides
+                            ) -> ContinuousBatchingConfig:
+    """A `ContinuousBatchingConfig` for `model.generate_batch` / `init_continuous_batching` on an offloaded model:
+    `base` (or the defaults) with `overrides` applied, then `max_batch_tokens` and `num_blocks` filled by
+    `token_budget` where still unset. Values set in `base` or `overrides` win. The choice is logged.
+
+    Example:
+        >>> cb = offload_batching_config(model, scheduler_type="fifo")                # doctest: +SKIP
+        >>> model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)   # doctest: +SKIP
+    """
+    config = dataclasses.replace(base or ContinuousBatchingConfig(), **overrides)
+    budget = token_budget(model, config.page_size)
+    chosen = {}
+    if config.max_batch_tokens is None:
+        chosen["max_batch_tokens"] = budget.max_batch_tokens
+    if config.num_blocks is None:
+        chosen["num_blocks"] = budget.num_blocks
+    _log_budget(model, config, budget, chosen)
+    return dataclasses.replace(config, **chosen)
+
+
+def _causal_engine(model: nn.Module):
+    """The model's offload engine; continuous batching needs an offloaded decoder-only model."""
+    engine = get_engine(model)
+    if engine is None:
+        raise PolicyError("this model is not offloaded by hf_moe_offload: load it with offload_policy=... or call "
+                          "hf_moe_offload.enable(model, policy) before sizing its continuous batching")
+    if getattr(model.config, "is_encoder_decoder", False):
+        raise PolicyError(f"continuous batching (generate_batch) is for decoder-only models; "
+                          f"{type(model).__name__} is an encoder-decoder: use model.generate")
+    return engine
+
+
+def _log_budget(model: nn.Module, config: ContinuousBatchingConfig, budget: TokenBudget, chosen: dict) -> None:
+    kept = [name for name in ("max_batch_tokens", "num_blocks") if name not in chosen]
+    costs = sequence_costs(model.config, model.dtype)
+    logger.info("hf_moe_offload continuous batching: max_batch_tokens=%d num_blocks=%d (page_size=%d, KV cache %s "
+                "for max_batch_size x max_seq_len = %d tokens at %s per token; tokens per pass within the "
+                "activation memory left for them, at least %d to touch %.0f%% of a layer's experts; scheduler=%s)%s",
+                config.max_batch_tokens or budget.max_batch_tokens, config.num_blocks or budget.num_blocks,
+                config.page_size, format_bytes(budget.kv_tokens * costs["kv_bytes_per_token"]), budget.kv_tokens,
+                format_bytes(costs["kv_bytes_per_token"]), budget.coverage_tokens, COVERAGE * 100,
+                config.scheduler_type, f"; kept as given: {', '.join(kept)}" if kept else "")
