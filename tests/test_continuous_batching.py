@@ -1,0 +1,173 @@
+"""transformers' continuous batching (`generate_batch`) on offloaded models: the unpatched model's greedy tokens with
+prompts split across passes, the expert budget held, the token-budget rule of `offload_batching_config`, and a
+decode-maximal scheduler (every pass carries every running decode)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching import scheduler as cb_scheduler
+from transformers.generation.continuous_batching.requests import RequestStatus
+
+import hf_moe_offload
+from conftest import VOCAB, offloaded, reference
+from hf_moe_offload.batching import coverage_tokens, experts_touched, offload_batching_config, token_budget
+
+FAMILIES = ["mixtral", "qwen3_moe"]
+POLICIES = {
+    "disk-small-cache": {"device": "cpu", "store": "disk", "expert_cache": "34%"},
+    "cpu-store": {"device": "cpu", "store": "cpu"},
+}
+GEN = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=0)
+
+
+def _prompts(lengths=(5, 23, 9, 31, 3)) -> list[list[int]]:
+    g = torch.Generator().manual_seed(4)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def _cb_config(max_batch_tokens: int, scheduler_type: str = "fifo") -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(max_batch_tokens=max_batch_tokens, num_blocks=16, page_size=16,
+                                    scheduler_type=scheduler_type)
+
+
+def _generate_batch(model, prompts, cb_config) -> list[list[int]]:
+    out = model.generate_batch(prompts, generation_config=GEN, continuous_batching_config=cb_config)
+    assert len(out) == len(prompts) and not [o.error for o in out.values() if o.error]   # failures are only logged
+    return [o.generated_tokens for o in out.values()]
+
+
+def _plain_generate(model, prompts) -> list[list[int]]:
+    """`generate` one prompt at a time, new tokens up to and including EOS (as generate_batch reports them)."""
+    tokens = []
+    for p in prompts:
+        new = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             generation_config=GEN)[0, len(p):].tolist()
+        tokens.append(new[:new.index(2) + 1] if 2 in new else new)
+    return tokens
+
+
+class PassLog(list):
+    """(running decodes before the pass, decodes in it, prompt tokens in it, token budget) per scheduled pass."""
+
+    def scheduler(self, base: type) -> type:
+        log = self
+
+        class Recording(base):
+            def schedule_batch(self, token_budget, cache_budget):
+                running = {r for r, s in self.active_requests.items() if s.status == RequestStatus.DECODING}
+                result = super().schedule_batch(token_budget, cache_budget)
+                scheduled = result[0] or []
+                decodes = sum(f.state.request_id in running for f in scheduled)
+                prompt = sum(f.query_length for f in scheduled if f.state.request_id not in running)
+                log.append((len(running), decodes, prompt, token_budget))
+                return result
+
+        return Recording
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    """family -> (unpatched model, its plain `generate` tokens per prompt)."""
+    models = {f: reference(f, tiny_models[f]) for f in FAMILIES}
+    return {f: (m, _plain_generate(m, _prompts())) for f, m in models.items()}
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_batch_tokens_match_unpatched(tiny_models, references, family, policy):
+    ref_model, plain = references[family]
+    model = offloaded(family, tiny_models[family], **POLICIES[policy])
+    for budget in (8, 24):   # below the longest prompts: chunked prefill mixed with decodes
+        cb = _cb_config(budget)
+        assert _generate_batch(ref_model, _prompts(), cb) == plain
+        assert _generate_batch(model, _prompts(), cb) == plain
+    stats = hf_moe_offload.stats(model)
+    assert stats["peak_cache_bytes"] <= stats["cache_capacity_bytes"]
+    if policy == "disk-small-cache":
+        assert stats["misses"] > 0 and stats["evictions"] > 0   # experts really came through the small cache
+
+
+@pytest.mark.parametrize("attn", ["eager", "paged|eager"])
+def test_generate_batch_with_paged_eager_attention(tiny_models, references, attn):
+    """eager is switched to paged|eager by the continuous-batching manager (set_attn_implementation on the
+    offloaded model) and back afterwards."""
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"])
+    model.set_attn_implementation(attn)
+    assert _generate_batch(model, _prompts(), _cb_config(16)) == references["mixtral"][1]
+    assert model.config._attn_implementation == attn
+
+
+def test_fifo_is_decode_maximal_and_prefill_first_is_not(tiny_models, monkeypatch):
+    """FIFO: every pass carries every running decode, topped up with prompt chunks to the token budget.
+    prefill_first lets running decodes wait while prompts are split (the evidence for not adding a scheduler)."""
+    model = offloaded("qwen3_moe", tiny_models["qwen3_moe"], **POLICIES["disk-small-cache"])
+    prompts = _prompts((5, 40, 9, 30, 3, 22, 14, 7))
+    logs = {}
+    for name in ("fifo", "prefill_first"):
+        logs[name] = PassLog()
+        monkeypatch.setitem(cb_scheduler.SCHEDULER_MAPPING, f"recording_{name}",
+                            logs[name].scheduler(cb_scheduler.SCHEDULER_MAPPING[name]))
+        _generate_batch(model, prompts, _cb_config(16, f"recording_{name}"))
+    prompt_tokens = sum(map(len, prompts))
+    assert sum(p for _, _, p, _ in logs["fifo"]) == prompt_tokens
+    prompt_left = prompt_tokens
+    for running, decodes, prompt, budget in logs["fifo"]:
+        assert decodes == running                                    # no running decode left out
+        prompt_left -= prompt
+        assert decodes + prompt == budget or prompt_left == 0        # topped up while prompt tokens remain
+    assert any(decodes < running for running, decodes, _, _ in logs["prefill_first"])
+
+
+def test_experts_touched_and_coverage_floor():
+    assert experts_touched(8, 2, 1) == pytest.approx(2)
+    assert experts_touched(8, 2, coverage_tokens(8, 2)) >= 0.99 * 8
+    assert experts_touched(8, 2, coverage_tokens(8, 2) - 1) < 0.99 * 8
+    assert coverage_tokens(4, 4) == 1
+
+
+def test_budget_follows_policy_hints(tiny_models, caplog):
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=4,
+                      max_seq_len=32)
+    with caplog.at_level(logging.INFO, logger="hf_moe_offload.batching"):
+        cb = offload_batching_config(model, page_size=16)
+    budget = token_budget(model, 16)
+    assert budget.kv_tokens == 4 * 32
+    assert cb.num_blocks == 4 * 32 // 16                          # KV for max_batch_size x max_seq_len
+    assert budget.coverage_tokens <= cb.max_batch_tokens <= 4 * 32  # the mask takes its share of activations
+    assert cb.max_batch_tokens == budget.max_batch_tokens and cb.scheduler_type == "fifo"
+    assert f"max_batch_tokens={cb.max_batch_tokens} num_blocks={cb.num_blocks}" in caplog.text
+
+
+def test_coverage_floor_wins_over_a_tiny_workload(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=1,
+                      max_seq_len=2)
+    cb = offload_batching_config(model, page_size=16)
+    assert cb.max_batch_tokens == coverage_tokens(6, 2) and cb.num_blocks == 1
+
+
+def test_user_values_win(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"])
+    cb = offload_batching_config(model, base=ContinuousBatchingConfig(max_batch_tokens=7, page_size=16),
+                                 num_blocks=5, scheduler_type="prefill_first")
+    assert (cb.max_batch_tokens, cb.num_blocks, cb.page_size, cb.scheduler_type) == (7, 5, 16, "prefill_first")
+    assert offload_batching_config(model, page_size=16).max_batch_tokens != 7   # base is not mutated or shared
+
+
+def test_sized_config_runs_generate_batch(tiny_models, references):
+    model = offloaded("qwen3_moe", tiny_models["qwen3_moe"], **POLICIES["disk-small-cache"], max_seq_len=48)
+    cb = offload_batching_config(model, page_size=16)
+    assert _generate_batch(model, _prompts(), cb) == references["qwen3_moe"][1]
+    stats = hf_moe_offload.stats(model)
+    assert stats["peak_cache_bytes"] <= stats["cache_capacity_bytes"]
+
+
+def test_refuses_models_it_cannot_size(tiny_models):
+    with pytest.raises(hf_moe_offload.PolicyError, match="not offloaded"):
+        offload_batching_config(reference("mixtral", tiny_models["mixtral"]))
+    seq2seq = offloaded("switch_transformers", tiny_models["switch_transformers"], **POLICIES["cpu-store"])
+    with pytest.raises(hf_moe_offload.PolicyError, match="decoder-only"):
+        offload_batching_config(seq2seq)
