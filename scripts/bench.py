@@ -95,12 +95,17 @@ ALLOCATOR_SLACK = 1 * GiB      # device memory the caching allocator loses to fr
 # Settings that differ by device; --quick replaces some of them (any flag given on the command line wins).
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
     "cpu": {"systems": list(SYSTEMS), "batch_sizes": [1, 8], "prompt_len": 16, "new_tokens": 16, "threads": 1,
-            "warmup_tokens": 2, "idle_wait": 30.0, "caps_gib": [], "stores": ["disk"]},
+            "warmup_tokens": 2, "idle_wait": 30.0, "caps_gib": [], "stores": ["disk"], "cb_prompts": 0,
+            "cb_static_batch": 32},
     "cuda": {"systems": ["resident", "accelerate", "hf_moe_offload_layer"], "batch_sizes": [1, 64],
              "prompt_len": 128, "new_tokens": 16, "threads": 0, "warmup_tokens": 2, "idle_wait": 0.0, "caps_gib": [16.0, 24.0],
-             "stores": ["cpu", "disk"]},
+             "stores": ["cpu", "disk"], "cb_prompts": 0, "cb_static_batch": 32},
 }
 QUICK = {"layers": 2, "prompt_len": 16, "new_tokens": 4, "warmup_tokens": 1, "caps_gib": [16.0]}
+# Issue 8's throughput regime on the CPU: batches that touch every expert, prompts long enough that prefill is a
+# real pass (64 x 128 = 8192 tokens), and continuous batching over 128 mixed-length prompts.
+THROUGHPUT = {"systems": ["resident", "accelerate", "hf_moe_offload_layer"], "batch_sizes": [8, 32, 128],
+              "prompt_len": 64, "new_tokens": 16, "warmup_tokens": 1, "cb_prompts": 128, "cb_static_batch": 32}
 
 
 # ----------------------------------------------------------------------------------------------------------- shape
@@ -384,6 +389,77 @@ def combine_bandwidth(first: dict[str, Any], second: dict[str, Any]) -> dict[str
             "median_bytes_per_s": statistics.median(rates)}
 
 
+ExpertRanges = list[list[tuple[int, int, int]]]    # per expert: (file index, offset, nbytes) of each tensor
+
+
+def expert_byte_ranges(files: list[Path]) -> ExpertRanges:
+    """Every expert's tensors as byte ranges in the safetensors shards, from their headers, in forward order
+    (layer, then expert): what the disk store reads for one expert."""
+    experts: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for k, f in enumerate(files):
+        with open(f, "rb") as fh:
+            header_len = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(header_len))
+        for name, entry in header.items():
+            if m := re.search(r"layers\.(\d+)\..*experts\.(\d+)\.", name):
+                begin, end = entry["data_offsets"]
+                experts.setdefault((int(m[1]), int(m[2])), []).append((k, 8 + header_len + begin, end - begin))
+    return [sorted(experts[key]) for key in sorted(experts)]
+
+
+def pread_expert(fds: list[int], ranges: list[tuple[int, int, int]], buf: memoryview) -> int:
+    """Read one expert's ranges with `preadv` into `buf`, as `checkpoint.read_into` does; returns the bytes."""
+    done = 0
+    for k, offset, nbytes in ranges:
+        got = 0
+        while got < nbytes:
+            n = os.preadv(fds[k], [buf[done + got:done + nbytes]], offset + got)
+            if n <= 0:
+                raise OSError(f"short read at byte {offset + got} of shard {k}")
+            got += n
+        done += nbytes
+    return done
+
+
+def store_read_bandwidth(files: list[Path], readers: int | None = None, repeats: int = 3) -> dict[str, Any]:
+    """Cold read bandwidth with the disk store's own reads: every expert once, in forward order, one `preadv` per
+    tensor, `readers` threads (the store's `DISK_READERS`) each with its own buffer, page cache evicted before each
+    repeat. Best of `repeats` (the physical limit, as for `disk_bandwidth`)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hf_moe_offload.copy_engine import DISK_READERS
+
+    readers = readers or DISK_READERS
+    experts = expert_byte_ranges(files)
+    size = max(sum(n for _, _, n in e) for e in experts)
+    local = threading.local()
+
+    def read(ranges: list[tuple[int, int, int]]) -> int:
+        if not hasattr(local, "buf"):
+            local.buf = memoryview(bytearray(size))       # one buffer per reader thread, as in the store
+        return pread_expert(fds, ranges, local.buf)
+
+    fds = [os.open(f, os.O_RDONLY) for f in files]
+    rates = []
+    try:
+        for _ in range(repeats):
+            evict_from_page_cache(files)
+            start = time.perf_counter()
+            with ThreadPoolExecutor(readers) as pool:
+                total = sum(pool.map(read, experts))
+            elapsed = time.perf_counter() - start
+            rates.append(total / elapsed)
+            log.info("store-like reads: %d experts, %.0f MB in %.2f s with %d threads = %.0f MB/s", len(experts),
+                     total / 1e6, elapsed, readers, total / elapsed / 1e6)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    evict_from_page_cache(files)
+    return {"readers": readers, "experts": len(experts), "bytes": total, "runs_bytes_per_s": rates,
+            "bytes_per_s": max(rates), "median_bytes_per_s": statistics.median(rates)}
+
+
 # ---------------------------------------------------------------------------------------------------------- worker
 
 
@@ -548,18 +624,27 @@ def summarize_steps(probe: StepProbe, gen_start: float, reads_start: int, batch:
     }
 
 
+# Counters the engine may or may not have (read with .get: the script runs on library versions before and after).
+SCHEDULE_KEYS = ("passes", "last_schedule", "repeat_reads", "readahead_issued")
+
+
 def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
-    """hf_moe_offload counters over the decode steps only (first probe call = end of prefill)."""
+    """hf_moe_offload counters over the decode steps only (first probe call = end of prefill), and the experts each
+    pass touched (`experts_used` summed over layers: the routing the resident-set floor needs)."""
     first, last = probe.stats[0], probe.stats[-1]
     d = {k: last[k] - first[k] for k in ("hits", "misses", "evictions", "bytes_to_device", "stall_s")}
     lookups = d["hits"] + d["misses"]
+    used = [s["experts_used"] for s in probe.stats]
     return {
         "decode": d,
         "decode_hit_rate": d["hits"] / lookups if lookups else float("nan"),
         "bytes_to_device_per_token": d["bytes_to_device"] / decode_tokens,
         "prefill": {k: first[k] for k in ("hits", "misses", "bytes_to_device", "stall_s")},
+        "prefill_experts_used": used[0],
+        "decode_step_experts_used": [b - a for a, b in zip(used, used[1:])],
         "cache_capacity_bytes": last["cache_capacity_bytes"],
         "peak_cache_bytes": last["peak_cache_bytes"],
+        "schedule": {k: last[k] for k in SCHEDULE_KEYS if k in last},     # whole generate (prefill + decode)
     }
 
 
@@ -821,6 +906,87 @@ def add_ceilings(results: list[dict], disk_bytes_per_s: float) -> None:
         r["io_ceiling_tok_s"] = bandwidth / must_move if bandwidth and must_move > 0 else None
 
 
+def resident_set_floor(experts_touched: int, cache_slots: int, one_expert_bytes: int) -> int:
+    """Bytes a pass must read if the cache held a fixed resident set: each touched expert beyond the cache's slots,
+    once (for a pass that touches every expert: (1 - cache share) x expert bytes)."""
+    return max(0, experts_touched - cache_slots) * one_expert_bytes
+
+
+def floors(r: dict, one_expert_bytes: int) -> tuple[list[int], int] | None:
+    """An hf_moe_offload row's resident-set floor per decode step and for the prefill, from its own routing
+    (None: not an hf_moe_offload row, or a run saved before the routing was recorded)."""
+    ours = r.get("ours") or {}
+    if "decode_step_experts_used" not in ours:
+        return None
+    slots = ours["cache_capacity_bytes"] // one_expert_bytes
+    steps = [resident_set_floor(used, slots, one_expert_bytes) for used in ours["decode_step_experts_used"]]
+    return steps, resident_set_floor(ours["prefill_experts_used"], slots, one_expert_bytes)
+
+
+def same_setting(results: list[dict], r: dict, system: str) -> dict | None:
+    """The row of `system` at `r`'s batch and cap (and store, except for resident), if it ran."""
+    return next((x for x in succeeded(results) if x["system"] == system and x["batch"] == r["batch"]
+                 and x.get("cap_bytes") == r.get("cap_bytes")
+                 and (system == "resident" or x.get("store") == r.get("store"))), None)
+
+
+def must_move_per_pass(r: dict, one_expert_bytes: int) -> tuple[float, float, str] | None:
+    """(decode bytes per step, prefill bytes) that must cross the row's slowest link, and on what basis."""
+    if r["system"] == "resident":
+        return 0.0, 0.0, "nothing offloaded"
+    if r["system"] == "accelerate":
+        off = r.get("offloaded_bytes_per_step")               # older runs did not record it
+        return None if off is None else (off, off, "accelerate's hooks load every offloaded weight once per forward")
+    found = floors(r, one_expert_bytes)
+    if found is None:
+        return None
+    steps, prefill = found
+    return statistics.fmean(steps), prefill, "resident-set floor from the row's routing: (experts touched - slots) x expert bytes"
+
+
+def pass_bound(tokens: float, compute_s: float, must_move: float, bandwidth: float | None) -> float:
+    """Issue 8's bound for one pass: tokens / max(compute time, bytes that must move / bandwidth)."""
+    io_s = must_move / bandwidth if bandwidth else 0.0
+    return tokens / max(compute_s, io_s)
+
+
+def row_bound(results: list[dict], r: dict, one_expert_bytes: int, store_bytes_per_s: float | None
+              ) -> dict[str, Any] | None:
+    """The row's decode and prefill bounds: compute time = the resident row's at the same batch, bandwidth = the
+    store-like cold reads (None when no resident row ran or the bytes that must move are unknown)."""
+    resident, moved = same_setting(results, r, "resident"), must_move_per_pass(r, one_expert_bytes)
+    if resident is None or moved is None or (r["system"] != "resident" and store_bytes_per_s is None):
+        return None
+    step_bytes, prefill_bytes, basis = moved
+    bandwidth = link_bandwidth(r, store_bytes_per_s) if r["system"] != "resident" else None
+    compute_s = resident["decode_s"] / resident["decode_steps"]
+    decode = pass_bound(r["batch"], compute_s, step_bytes, bandwidth)
+    prefill = None
+    if "prefill_tok_s" in r:                               # older runs recorded no prefill speed
+        prefill = pass_bound(r["prefill_tok_s"] * r["prefill_s"], resident["prefill_s"], prefill_bytes, bandwidth)
+    return {"decode_tok_s": decode, "decode_over_bound": r["decode_tok_s"] / decode,
+            "prefill_tok_s": prefill, "prefill_over_bound": prefill and r["prefill_tok_s"] / prefill,
+            "compute_step_s": compute_s, "compute_basis": f"resident row's mean decode step at batch {r['batch']}",
+            "must_move_bytes_per_step": step_bytes, "must_move_prefill_bytes": prefill_bytes,
+            "must_move_basis": basis, "bandwidth_bytes_per_s": bandwidth,
+            "bandwidth_basis": "store-like cold reads (pread per expert tensor, page cache evicted), best sample"}
+
+
+def add_bounds(results: list[dict], one_expert_bytes: int, store_bytes_per_s: float | None) -> None:
+    """Per row (in place): issue 8's bound and the share of it reached, disk bytes per decode step beside the
+    resident-set floor, and decode/prefill speed relative to accelerate at the same batch."""
+    for r in succeeded(results):
+        r["bound"] = row_bound(results, r, one_expert_bytes, store_bytes_per_s)
+        r["read_bytes_per_step"] = r["decode_read_bytes"] / r["decode_steps"]
+        found = floors(r, one_expert_bytes)
+        r["floor_bytes_per_step"] = statistics.fmean(found[0]) if found else None
+        r["bytes_over_floor"] = r["decode_read_bytes"] / sum(found[0]) if found and sum(found[0]) else None
+        acc = same_setting(results, r, "accelerate")
+        r["vs_accelerate"] = r["decode_tok_s"] / acc["decode_tok_s"] if acc and acc is not r else None
+        r["prefill_vs_accelerate"] = r["prefill_tok_s"] / acc["prefill_tok_s"] \
+            if acc and acc is not r and "prefill_tok_s" in r else None
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
@@ -829,30 +995,46 @@ def row_order(r: dict) -> tuple:
     return (r["batch"], r.get("cap_bytes") or 0, r.get("store") or "", SYSTEMS.index(r["system"]))
 
 
+def ratio(x: float | None) -> str:
+    return fmt(x, ".2f")
+
+
+def mb(x: float | None) -> str:
+    return fmt(None if x is None else x / 1e6, ".1f")
+
+
 def markdown_table(results: list[dict]) -> str:
-    header = ("| system | store | cap GiB | batch | load s | prefill tok/s | decode tok/s | bound tok/s | "
-              "disk MB/token | moved MB/token | hit rate | peak RSS GiB | peak device GiB | greedy tokens = ref | "
-              "other CPU load |")
+    """One line per row. bound: issue 8's (batch / max(resident step time, bytes that must move per step / store-like
+    read bandwidth)); I/O ceiling: the older per-token one (sequential bandwidth / bytes moved per token)."""
+    header = ("| system | store | cap GiB | batch | load s | prefill tok/s | prefill / bound | decode tok/s | "
+              "bound tok/s | decode / bound | vs accelerate | I/O ceiling tok/s | disk MB/step | floor MB/step | "
+              "disk / floor | disk MB/token | moved MB/token | hit rate | peak RSS GiB | peak device GiB | "
+              "greedy tokens = ref | other CPU load |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in sorted(results, key=row_order):
         cap = fmt(r["cap_bytes"] / GiB if r.get("cap_bytes") else None, "g")
         if "error" in r:
             lines.append(f"| {r['system']} | {r.get('store') or '–'} | {cap} | {r['batch']} | failed: {r['error']} |")
             continue
-        ours = r.get("ours")
+        ours, bound = r.get("ours"), r.get("bound") or {}
         ref = r.get("reference", "resident")           # runs before `reference` was recorded compared to resident
         match = "ref" if r.get("tokens_match") is None else (
             f"yes ({ref})" if r["tokens_match"] else
             f"no ({r['mismatched_tokens']}/{r['decode_tokens'] + r['batch']} vs {ref})")
         lines.append("| " + " | ".join([
             r["system"], r.get("store") or "–", cap, str(r["batch"]), f"{r['load_s']:.1f}",
-            fmt(r.get("prefill_tok_s"), ".1f"), f"{r['decode_tok_s']:.2f}", fmt(r["io_ceiling_tok_s"], ".2f"),
-            f"{r['read_bytes_per_token'] / 1e6:.1f}", fmt(r["must_move_bytes_per_token"] / 1e6, ".1f"),
-            fmt(ours["decode_hit_rate"] if ours else None, ".0%"), f"{r['peak_rss_bytes'] / 2**30:.2f}",
+            fmt(r.get("prefill_tok_s"), ".1f"), ratio(bound.get("prefill_over_bound")), f"{r['decode_tok_s']:.2f}",
+            fmt(bound.get("decode_tok_s"), ".2f"), ratio(bound.get("decode_over_bound")), ratio(r.get("vs_accelerate")),
+            fmt(r["io_ceiling_tok_s"], ".2f"), mb(r.get("read_bytes_per_step")), mb(r.get("floor_bytes_per_step")),
+            ratio(r.get("bytes_over_floor")), f"{r['read_bytes_per_token'] / 1e6:.1f}",
+            mb(r["must_move_bytes_per_token"]), fmt(ours["decode_hit_rate"] if ours else None, ".0%"),
+            f"{r['peak_rss_bytes'] / 2**30:.2f}",
             fmt(r["peak_device_bytes"] / GiB if r.get("peak_device_bytes") else None, ".2f"), match,
             f"{r['foreign_cpu_share']:.0%}",
         ]) + " |")
     return "\n".join(lines)
+
+
 COLORS = {"resident": "#7f7f7f", "accelerate": "#d62728", "hf_moe_offload": "#1f77b4",
           "hf_moe_offload_layer": "#2ca02c"}
 CACHE_COLORS = {"hf_moe_offload": "#9ecae1", "hf_moe_offload_layer": "#a1d99b"}
@@ -1008,6 +1190,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="smoke run: 2 layers, 16-token prompts, 4 new tokens, 1 warm-up token, one 16 GiB cap")
     p.add_argument("--small", action="store_true", help=f"small shape for a CPU smoke run ({SMALL.tag})")
     p.add_argument("--tiny", action="store_true", help=f"the smallest shape, for tests ({TINY.tag})")
+    p.add_argument("--throughput", action="store_true",
+                   help="issue 8's throughput regime: batches 8 32 128, 64-token prompts, systems resident accelerate "
+                        "hf_moe_offload_layer, and generate_batch over 128 mixed-length prompts vs static batches of 32")
     for dim in ("hidden", "intermediate", "layers", "experts", "top-k", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{dim}", type=int, default=None,
                        help="default: the device's shape (cpu: ModelShape(); cuda: Mixtral-8x7B)"
@@ -1023,6 +1208,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-sizes", type=int, nargs="+", default=None, help="default: cpu 1 8, cuda 1 64")
     p.add_argument("--prompt-len", type=int, default=None, help="default: cpu 16, cuda 128")
     p.add_argument("--new-tokens", type=int, default=None, help="default: 16")
+    p.add_argument("--cb-prompts", type=int, default=None,
+                   help="continuous batching: generate_batch over this many mixed-length prompts (up to twice "
+                        "--prompt-len) vs static-batch generate over the same prompts; 0: skip (default; "
+                        "--throughput: 128)")
+    p.add_argument("--cb-static-batch", type=int, default=None,
+                   help="batch size of the static generate that generate_batch is compared with (default 32)")
     p.add_argument("--warmup-tokens", type=int, default=None,
                    help="tokens of an untimed generate (other prompt) before the measured one; 0 to skip (default 2)")
     p.add_argument("--threads", type=int, default=None,
@@ -1049,8 +1240,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
-    """Unset flags take the device's defaults, then --quick's (flags given on the command line win)."""
-    defaults = {**DEVICE_DEFAULTS[args.device], **(QUICK if args.quick else {})}
+    """Unset flags take the device's defaults, then --quick's or --throughput's (flags given on the command line
+    win)."""
+    defaults = {**DEVICE_DEFAULTS[args.device], **(QUICK if args.quick else {}),
+                **(THROUGHPUT if args.throughput else {})}
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
@@ -1071,7 +1264,7 @@ def shape_from_args(args: argparse.Namespace) -> ModelShape:
 
 
 def default_out(args: argparse.Namespace, report: dict[str, Any]) -> Path:
-    warm = "_warm" if args.no_evict else ""
+    warm = ("_throughput" if args.throughput else "") + ("_warm" if args.no_evict else "")
     if args.device == "cuda":
         name = (report["machine"]["gpu"] or {"name": "unknown gpu"})["name"]     # None: every row failed
         gpu = re.sub(r"[^a-z0-9]+", "_", name.lower()).strip("_")
@@ -1142,11 +1335,14 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     shape = shape_from_args(args)
     path = build_checkpoint(shape, args.seed, args.workdir)
     files = checkpoint_files(path)
-    bandwidth = disk_bandwidth(files)
+    bandwidth, store_reads = disk_bandwidth(files), store_read_bandwidth(files)
     results = run_rows(args, shape, path)
     compare_tokens(results)
-    bandwidth = combine_bandwidth(bandwidth, disk_bandwidth(files))   # again at the end: the disk may be shared
+    # again at the end: the disk may be shared
+    bandwidth = combine_bandwidth(bandwidth, disk_bandwidth(files))
+    store_reads = combine_bandwidth(store_reads, store_read_bandwidth(files))
     add_ceilings(results, bandwidth["bytes_per_s"])
+    add_bounds(results, shape.one_expert_bytes(), store_reads["bytes_per_s"])
     meta = json.loads((path / MARKER).read_text())
     return {
         "command": shlex.join(["python", "scripts/bench.py", *argv]),
@@ -1160,7 +1356,8 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                      "stores": args.stores if args.device == "cuda" else ["disk"],
                      "caps_gib": args.caps_gib, "evict_page_cache": not args.no_evict, "threads": args.threads,
                      "seed": args.seed, "hf_moe_offload_policy": OURS_POLICY},
-        "disk_bandwidth": bandwidth,
+        "disk_bandwidth": bandwidth,             # sequential reads of the largest shard: for reference
+        "store_read_bandwidth": store_reads,     # the store's kind of reads: the bound's bandwidth
         "results": results,
         "total_wall_s": time.perf_counter() - started,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
@@ -1175,13 +1372,18 @@ def reload_report(path: Path) -> dict[str, Any]:
     bw["bytes_per_s"] = max(bw["runs_bytes_per_s"])
     bw["median_bytes_per_s"] = statistics.median(bw["runs_bytes_per_s"])
     add_ceilings(report["results"], bw["bytes_per_s"])
+    store = report.get("store_read_bandwidth")           # absent in runs saved before it was measured
+    one_expert = ModelShape(**report["model"]["shape"]).one_expert_bytes()     # older runs did not record it
+    add_bounds(report["results"], one_expert, store and max(store["runs_bytes_per_s"]))
     return report
 
 
 def report_title(report: dict[str, Any]) -> str:
     settings, machine, model = report["settings"], report["machine"], report["model"]
     mode = "page cache evicted every step" if settings["evict_page_cache"] else "page cache warm"
-    disk = f"disk {report['disk_bandwidth']['bytes_per_s'] / 1e6:.0f} MB/s"
+    disk = f"disk {report['disk_bandwidth']['bytes_per_s'] / 1e6:.0f} MB/s sequential"
+    if store := report.get("store_read_bandwidth"):
+        disk += f", {store['bytes_per_s'] / 1e6:.0f} MB/s store-like ({store['readers']} threads, pread per expert)"
     if settings.get("device") == "cuda":
         gpu = machine["gpu"] or {"name": "GPU (no row ran)", "h2d_bytes_per_s": float("nan")}
         return (f"{model['shape']['layers']}-layer Mixtral-8x7B-shaped model ({model['bytes_on_disk'] / 1e9:.1f} GB, "
