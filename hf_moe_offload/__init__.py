@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from ._logging import follow_transformers_logging
 from .arch import UnsupportedModelError, supported_model_types
+from .batching import offload_batching_config
 from .checkpoint import CheckpointError
 from .engine import get_engine
 from .hooks import LayerHook
@@ -40,5 +41,5 @@ install()
 
 __all__ = [
     "OffloadPolicy", "PolicyError", "CheckpointError", "UnsupportedModelError", "from_pretrained", "enable",
-    "disable", "stats", "supported_model_types", "get_engine", "LayerHook",
+    "disable", "stats", "supported_model_types", "get_engine", "LayerHook", "offload_batching_config",
 ]
