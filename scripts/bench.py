@@ -729,6 +729,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """One row (system, store, cap, batch size), in this (fresh) process."""
     import torch
 
+    if spec.get("kind") == "continuous_batching":
+        return run_cb_worker(spec)
     if spec["threads"] > 0:
         torch.set_num_threads(spec["threads"])
     device_facts = prepare_device(spec)
@@ -783,6 +785,154 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         result["policy"] = policy_for(spec)
         result["ours"] = summarize_ours(probe, result["decode_tokens"])
     return result
+# ------------------------------------------------------------------------------------- continuous batching worker
+
+
+def mixed_prompts(vocab: int, count: int, prompt_len: int, seed: int) -> list[list[int]]:
+    """`count` random prompts (special ids 0-2 avoided), lengths uniform in [prompt_len / 4, 2 x prompt_len]."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(max(1, prompt_len // 4), 2 * prompt_len + 1, (count,), generator=gen)
+    return [torch.randint(3, vocab, (int(n),), generator=gen).tolist() for n in lengths]
+
+
+def cb_unavailable(model) -> str | None:
+    """Why transformers' continuous batching cannot run on `model` (None: it can). Its scheduler needs a paged
+    attention: sdpa, "paged|eager" (what it switches eager to) or a flash implementation."""
+    import transformers
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if not hasattr(model, "generate_batch"):
+        return f"transformers {transformers.__version__} has no generate_batch"
+    impl = model.config._attn_implementation
+    needed = "paged|eager" if impl == "eager" else impl
+    if needed != "sdpa" and "flash" not in needed and needed != "paged|eager":
+        return f"continuous batching needs sdpa, paged|eager or flash attention; the model uses {impl!r}"
+    if needed not in ALL_ATTENTION_FUNCTIONS and needed != "sdpa":
+        return f"attention implementation {needed!r} (needed by continuous batching) is not registered here"
+    return None
+
+
+class ForwardEvictor:
+    """A forward pre-hook that drops the files' pages before every forward pass (generate_batch has no stopping
+    criteria to hook per step), counting the passes and the time the eviction took (excluded from timings)."""
+
+    def __init__(self, files: list[Path] | None):
+        self.files, self.calls, self.seconds = files, 0, 0.0
+
+    def __call__(self, module, args) -> None:
+        start = time.perf_counter()
+        if self.files:
+            evict_from_page_cache(self.files)
+        self.calls += 1
+        self.seconds += time.perf_counter() - start
+
+
+def greedy_config(new_tokens: int):
+    """Greedy, exactly `new_tokens` per prompt: eos -1 is generate_batch's own "disabled" value (generate warns
+    about it once but honours it), so no prompt stops early in either mode."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=-1, pad_token_id=0)
+
+
+def static_batches(model, prompts: list[list[int]], batch: int, config) -> list[list[int]]:
+    """Greedy `generate` over `prompts` in batches of `batch`, left-padded; each prompt's new tokens."""
+    import torch
+
+    tokens = []
+    for i in range(0, len(prompts), batch):
+        chunk = prompts[i:i + batch]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in chunk])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, generation_config=config)
+        tokens += out[:, width:].tolist()
+    return tokens
+
+
+def cb_config(prompts: list[list[int]], new_tokens: int, page_size: int = 256):
+    """A paged KV cache just large enough for every prompt at once (blocks of `page_size` tokens). Left to itself
+    it takes 90% of the free RAM (8-9 GiB here, zeroed before the first token). The token budget per pass is left
+    to transformers or the library."""
+    from transformers import ContinuousBatchingConfig
+
+    blocks = sum(-(-(len(p) + new_tokens) // page_size) for p in prompts)
+    return ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks + 1)
+
+
+def continuous(model, prompts: list[list[int]], config) -> list[list[int]]:
+    """transformers' `generate_batch` over every prompt at once; each prompt's new tokens, in prompt order. It logs
+    a failure instead of raising, so missing or failed requests are raised here. Its warm-up (CUDA graph capture,
+    dummy batches) is off: on the CPU it captures nothing and took longer than the tiny run itself."""
+    outputs = list(model.generate_batch(prompts, generation_config=config, continuous_batching_config=
+                                        cb_config(prompts, config.max_new_tokens), progress_bar=False,
+                                        warmup=False).values())
+    failed = [o.error for o in outputs if o.error is not None]
+    if len(outputs) != len(prompts) or failed:
+        raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(prompts)} requests; errors: {failed[:3]}")
+    return [list(o.generated_tokens) for o in outputs]
+
+
+def timed_mode(mode: str, run: Callable[[], list[list[int]]], evictor: ForwardEvictor, prompts: list[list[int]],
+               stats: Callable[[], dict] | None) -> dict[str, Any]:
+    """Run one mode cold (page cache evicted first) and measure it: generated and total tokens/s (eviction time
+    excluded), disk bytes per generated token, forward passes, hf_moe_offload's bytes moved and schedules."""
+    evictor(None, None)
+    evictor.calls, evictor.seconds = 0, 0.0
+    before = stats() if stats else None
+    reads0, start = proc_read_bytes(), time.perf_counter()
+    tokens = run()
+    wall = time.perf_counter() - start - evictor.seconds
+    reads, generated = proc_read_bytes() - reads0, sum(map(len, tokens))
+    result = {"mode": mode, "wall_s": wall, "evict_s": evictor.seconds, "forwards": evictor.calls,
+              "prompt_tokens": sum(map(len, prompts)), "generated_tokens": generated, "tok_s": generated / wall,
+              "total_tok_s": (generated + sum(map(len, prompts))) / wall, "read_bytes": reads,
+              "read_bytes_per_token": reads / generated, "tokens": tokens}
+    if stats:
+        after = stats()
+        moved = after["bytes_to_device"] - before["bytes_to_device"]
+        result["ours"] = {"bytes_to_device": moved, "bytes_to_device_per_token": moved / generated,
+                          "schedule": {k: after[k] for k in SCHEDULE_KEYS if k in after}}
+    return result
+
+
+def run_cb_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """The generate_batch row for one system: continuous batching over mixed-length prompts, then static-batch
+    `generate` over the same prompts, same model, page cache evicted before every forward pass."""
+    import torch
+
+    if spec["threads"] > 0:
+        torch.set_num_threads(spec["threads"])
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)    # a dozen INFO lines per call
+    path = Path(spec["checkpoint"])
+    files = checkpoint_files(path)
+    if spec["evict"]:
+        evict_from_page_cache(files)
+    model, extra = load_system(spec, path, Path(spec["offload_folder"]))
+    row = {k: spec[k] for k in ("system", "batch", "evict", "device", "store", "cap_bytes")}
+    if why := cb_unavailable(model):
+        return {**row, "skipped": why}
+    prompts = mixed_prompts(spec["vocab"], spec["cb_prompts"], spec["prompt_len"], spec["seed"])
+    config = greedy_config(spec["new_tokens"])
+    evictor = ForwardEvictor((files + extra) if spec["evict"] else None)
+    model.register_forward_pre_hook(evictor)
+    stats = None
+    if spec["system"] in POLICIES:
+        import hf_moe_offload
+
+        stats = lambda: dict(hf_moe_offload.stats(model))  # noqa: E731
+    continuous(model, prompts[:2], greedy_config(1))         # untimed: one-time costs of both paths
+    static_batches(model, prompts[:2], 2, greedy_config(1))
+    # generate_batch's thread writes tensors in place: no inference_mode around it (it runs under no_grad)
+    modes = [timed_mode("continuous", lambda: continuous(model, prompts, config), evictor, prompts, stats),
+             timed_mode(f"static, batch {spec['batch']}",
+                        lambda: static_batches(model, prompts, spec["batch"], config), evictor, prompts, stats)]
+    return {**row, "prompts": len(prompts), "modes": modes, "peak_rss_bytes": peak_rss_bytes()}
+
+
 def cpu_jiffies() -> tuple[int, int]:
     """(busy, total) CPU time of the whole machine so far, in clock ticks (/proc/stat)."""
     with open("/proc/stat") as f:
@@ -1032,6 +1182,27 @@ def markdown_table(results: list[dict]) -> str:
             fmt(r["peak_device_bytes"] / GiB if r.get("peak_device_bytes") else None, ".2f"), match,
             f"{r['foreign_cpu_share']:.0%}",
         ]) + " |")
+    return "\n".join(lines)
+
+
+def cb_table(batching: dict[str, Any]) -> str:
+    """The generate_batch comparison: one line per system and mode (skipped or failed systems say why)."""
+    header = ("| system | mode | prompts | generated tok/s | prompt + generated tok/s | vs static | forwards | "
+              "disk MB/token | moved MB/token | peak RSS GiB | greedy tokens = resident |")
+    lines = [header, "|" + "---|" * (header.count("|") - 1)]
+    for r in batching["rows"]:
+        if "modes" not in r:
+            lines.append(f"| {r['system']} | {'skipped' if 'skipped' in r else 'failed'}: "
+                         f"{r.get('skipped') or r.get('error')} |")
+            continue
+        static = r["modes"][-1]
+        for m in r["modes"]:
+            moved = m["ours"]["bytes_to_device_per_token"] if "ours" in m else None
+            match = {None: "ref" if r["system"] == "resident" else "–", True: "yes", False: "no"}[m["tokens_match"]]
+            lines.append("| " + " | ".join([
+                r["system"], m["mode"], str(r["prompts"]), f"{m['tok_s']:.2f}", f"{m['total_tok_s']:.1f}",
+                ratio(m["tok_s"] / static["tok_s"]), str(m["forwards"]), mb(m["read_bytes_per_token"]), mb(moved),
+                f"{r['peak_rss_bytes'] / GiB:.2f}", match]) + " |")
     return "\n".join(lines)
 
 
@@ -1318,6 +1489,36 @@ def run_rows(args: argparse.Namespace, shape: ModelShape, path: Path) -> list[di
     return results
 
 
+def run_cb_rows(args: argparse.Namespace, shape: ModelShape, path: Path) -> dict[str, Any]:
+    """The generate_batch comparison: one worker per system (resident as the token reference where it is among
+    the systems, and each hf_moe_offload system), each running continuous and static batching."""
+    systems = [s for s in args.systems if s == "resident" or s in POLICIES]
+    rows = []
+    for system in systems:
+        if args.idle_wait > 0:
+            wait_for_idle(args.idle_wait)
+        log.info("running %s: generate_batch over %d prompts vs static batches of %d", system, args.cb_prompts,
+                 args.cb_static_batch)
+        row = row_spec(system, args.cb_static_batch, None if system == "resident" else "disk", None)
+        spec = {**worker_spec(args, shape, path, row), "kind": "continuous_batching", "cb_prompts": args.cb_prompts}
+        r = spawn_worker(spec, args.worker_timeout)
+        if "skipped" in r:
+            log.warning("generate_batch row for %s skipped: %s", system, r["skipped"])
+        rows.append(r)
+    compare_cb_tokens(rows)
+    return {"prompts": args.cb_prompts, "prompt_lengths": [max(1, args.prompt_len // 4), 2 * args.prompt_len],
+            "new_tokens": args.new_tokens, "static_batch": args.cb_static_batch, "rows": rows}
+
+
+def compare_cb_tokens(rows: list[dict]) -> None:
+    """Each mode's greedy tokens against the resident row's same mode (in place; None: no resident reference)."""
+    ran = [r for r in rows if "modes" in r]
+    reference = next((r for r in ran if r["system"] == "resident"), None)
+    for r in ran:
+        for mode, ref in zip(r["modes"], reference["modes"] if reference else [None] * len(r["modes"])):
+            mode["tokens_match"] = None if ref is None or r is reference else mode["tokens"] == ref["tokens"]
+
+
 def gpu_facts(results: list[dict]) -> dict[str, Any] | None:
     """The GPU as the workers saw it, and the best pinned H2D bandwidth over all of them (None on the CPU)."""
     cuda_rows = [r for r in succeeded(results) if "gpu" in r]
@@ -1337,6 +1538,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     files = checkpoint_files(path)
     bandwidth, store_reads = disk_bandwidth(files), store_read_bandwidth(files)
     results = run_rows(args, shape, path)
+    batching = run_cb_rows(args, shape, path) if args.cb_prompts > 0 else None
     compare_tokens(results)
     # again at the end: the disk may be shared
     bandwidth = combine_bandwidth(bandwidth, disk_bandwidth(files))
@@ -1359,6 +1561,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "disk_bandwidth": bandwidth,             # sequential reads of the largest shard: for reference
         "store_read_bandwidth": store_reads,     # the store's kind of reads: the bound's bandwidth
         "results": results,
+        "continuous_batching": batching,
         "total_wall_s": time.perf_counter() - started,
         "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
     }
@@ -1400,6 +1603,10 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     json_path.write_text(json.dumps(report, indent=2) + "\n")
     title = report_title(report)
     print(f"\n{title}\n\n{markdown_table(report['results'])}\n")
+    if batching := report.get("continuous_batching"):
+        print(f"generate_batch over {batching['prompts']} prompts of {batching['prompt_lengths'][0]}-"
+              f"{batching['prompt_lengths'][1]} tokens, {batching['new_tokens']} new tokens each, vs static batches "
+              f"of {batching['static_batch']}:\n\n{cb_table(batching)}\n")
     written = [json_path] + ([png_path] if try_plot(report["results"], title, png_path) else [])
     print(f"wrote {' and '.join(map(str, written))} (run took {report['total_wall_s']:.0f} s)")
 
@@ -1419,7 +1626,8 @@ def try_plot(results: list[dict], title: str, png: Path) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """0 when every row ran, 1 when some row failed (its error is in the JSON), 2 for a device that is missing."""
+    """0 when every row ran or was skipped with its reason, 1 when some row failed (its error is in the JSON), 2 for
+    a device that is missing."""
     argv = sys.argv[1:] if argv is None else argv
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -1436,7 +1644,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = run_benchmark(args, argv)
     write_outputs(report, args.out or default_out(args, report))
-    return 0 if not any("error" in r for r in report["results"]) else 1
+    batching = (report["continuous_batching"] or {}).get("rows", [])
+    return 0 if not any("error" in r for r in report["results"] + batching) else 1
 
 
 if __name__ == "__main__":
