@@ -7,7 +7,9 @@ What it does, in one invocation:
 1. Writes (once, cached under ``--workdir``) a Mixtral-shaped checkpoint with random bf16 weights in the Hub's
    per-expert safetensors layout, one shard per decoder layer, generated layer by layer (never the whole model in
    RAM). CPU: about 1.5 GB by default. CUDA: Mixtral-8x7B's layer shapes with as many layers as the disk holds.
-2. Measures the disk's sequential read bandwidth on a shard read cold (after evicting its pages).
+2. Measures the disk's cold read bandwidth twice: sequential reads of a whole shard (for reference) and the disk
+   store's own reads (one ``preadv`` per expert tensor, 4 reader threads, every expert once); the second is the
+   bandwidth of the per-row bound. On the CPU, logs each row's estimated peak RSS and seconds before running it.
 3. Runs every row (system x store x device-memory cap x batch size) in its own subprocess, so peak RSS and peak
    device memory are the row's own:
 
@@ -31,7 +33,14 @@ What it does, in one invocation:
    forward), hit rate, peak RSS, peak device memory (``torch.cuda.max_memory_allocated``), greedy-token agreement
    with ``resident`` (else ``accelerate``) at the same batch size, and the bound ``bandwidth / bytes that must move
    per token`` where the bandwidth is the slowest link the bytes cross (disk when evicted, pinned H2D on CUDA).
-   Writes the JSON first, then a PNG (needs matplotlib), and prints a markdown table. A failed row is recorded
+   Issue 8's bound per row: batch / max(the resident row's step time at that batch, bytes that must move per step
+   / store-like bandwidth), where hf_moe_offload must move its resident-set floor ((experts the step touched -
+   cache slots) x expert bytes, from its own routing); disk bytes per step beside that floor; speed vs accelerate.
+6. With ``--cb-prompts N`` (``--throughput``: 128): transformers' ``generate_batch`` over N mixed-length prompts vs
+   static-batch ``generate`` in batches of ``--cb-static-batch``, per system (skipped with its reason when the
+   attention implementation cannot do continuous batching).
+
+   Writes the JSON first, then a PNG (needs matplotlib), and prints markdown tables. A failed row is recorded
    with its error and the run goes on; the exit status is then 1.
 
 Example:
@@ -39,6 +48,10 @@ Example:
     python scripts/bench.py --small --out /tmp/bench_small
     # the documented benchmark (4-9 minutes on 2 shared cores): benchmarks/results/cpu_mixtral_1.5gb.{json,png}
     python scripts/bench.py --threads 1 --idle-wait 30
+    # issue 8's throughput regime (~10 minutes on 2 shared cores, model built; estimates logged before the rows):
+    # batches 8 32 128, 64-token prompts, generate_batch over 128 prompts vs static batches of 32
+    #   -> benchmarks/results/cpu_mixtral_1.5gb_throughput.{json,png}
+    python scripts/bench.py --throughput --threads 1 --idle-wait 30
     # same, page cache left warm: benchmarks/results/cpu_mixtral_1.5gb_warm.{json,png}
     python scripts/bench.py --threads 1 --idle-wait 30 --no-evict
     # re-render table and PNG from a saved run
@@ -273,6 +286,111 @@ def default_layers(workdir: Path, base: ModelShape, seed: int, copies: int) -> i
         raise SystemExit(f"bench.py: error: {free / GiB:.0f} GiB free under {workdir} holds no layer; "
                          f"free some space or pass --workdir on a larger disk")
     return layers
+
+
+# ------------------------------------------------------------------------------------------- CPU estimates
+
+
+PROCESS_BASE = int(0.4 * GiB)     # a worker's RSS with torch and transformers imported, before loading
+OURS_CACHE_SHARE = 0.25           # OURS_POLICY's expert_cache
+# Small-batch decode is bound by reading the weights from RAM, not by FLOPs: resident batch 8 ran 0.13 s a step
+# for 1.4 GB of experts on this machine (docs/benchmarks.md).
+RAM_BYTES_PER_S = 10e9
+
+
+def matmul_flops_per_s(shape: ModelShape, threads: int) -> float:
+    """bf16 matmul speed of this CPU at one expert's shape (about 0.3 s), with the workers' thread count."""
+    import torch
+
+    old = torch.get_num_threads()
+    if threads > 0:
+        torch.set_num_threads(threads)
+    a = torch.randn(512, shape.hidden, dtype=torch.bfloat16)
+    w = torch.randn(shape.intermediate, shape.hidden, dtype=torch.bfloat16)
+    torch.nn.functional.linear(a, w)
+    start, n = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.3:
+        torch.nn.functional.linear(a, w)
+        n += 1
+    torch.set_num_threads(old)
+    return n * 2 * a.shape[0] * shape.hidden * shape.intermediate / (time.perf_counter() - start)
+
+
+def pass_flops(shape: ModelShape, tokens: int, sequences: int) -> float:
+    """Multiply-adds x 2 of one forward over `tokens` tokens (top-k experts, attention projections, router; the LM
+    head for one position per sequence)."""
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    per_layer = 2 * shape.hidden * (2 * q + 2 * kv) + shape.top_k * 3 * shape.hidden * shape.intermediate
+    return 2 * (tokens * shape.layers * per_layer + sequences * shape.vocab * shape.hidden)
+
+
+def touched_share(shape: ModelShape, tokens: int) -> float:
+    """Share of the experts a pass of `tokens` tokens touches if routing were uniform."""
+    return 1 - (1 - shape.top_k / shape.experts) ** tokens
+
+
+def pass_read_bytes(shape: ModelShape, system: str, tokens: int) -> float:
+    """Disk bytes one forward reads cold: accelerate every expert; hf_moe_offload the experts `tokens` touch beyond
+    its cache; resident nothing."""
+    if system == "resident":
+        return 0.0
+    if system == "accelerate":
+        return float(shape.expert_bytes())
+    return max(0.0, touched_share(shape, tokens) - OURS_CACHE_SHARE) * shape.expert_bytes()
+
+
+def pass_seconds(shape: ModelShape, system: str, tokens: int, sequences: int, flops_per_s: float,
+                 read_bytes_per_s: float) -> float:
+    """One forward: the slowest of its FLOPs, its weights streamed from RAM, and its cold disk reads."""
+    ram = shape.non_expert_bytes() + touched_share(shape, tokens) * shape.expert_bytes()
+    return max(pass_flops(shape, tokens, sequences) / flops_per_s, ram / RAM_BYTES_PER_S,
+               pass_read_bytes(shape, system, tokens) / read_bytes_per_s)
+
+
+def estimate_row(shape: ModelShape, system: str, batch: int, prompt_len: int, new_tokens: int, warmup_tokens: int,
+                 flops_per_s: float, read_bytes_per_s: float) -> dict[str, float]:
+    """Coarse peak RSS and wall time of one CPU row: start-up, load, the warm-up and measured generates."""
+    seq = prompt_len + new_tokens
+    kv = 2 * shape.layers * batch * seq * shape.kv_heads * shape.head_dim * 2
+    # measured peaks: resident holds the weights twice while loading, accelerate about the whole model
+    weights = {"resident": 2 * shape.total_bytes(), "accelerate": shape.total_bytes()}.get(
+        system, shape.non_expert_bytes() + OURS_CACHE_SHARE * shape.expert_bytes())
+    memory = PROCESS_BASE + weights + kv + working_bytes(shape, batch, prompt_len) - ALLOCATOR_SLACK
+    passes = [(batch * prompt_len, new_tokens)] + ([(batch * prompt_len, warmup_tokens)] if warmup_tokens else [])
+    seconds = 5.0 + shape.total_bytes() / read_bytes_per_s * (3 if system == "accelerate" else 1)
+    for prefill_tokens, steps in passes:
+        for tokens in [prefill_tokens] + [batch] * (steps - 1):
+            seconds += pass_seconds(shape, system, tokens, batch, flops_per_s, read_bytes_per_s)
+    return {"peak_rss_bytes": memory, "seconds": seconds}
+
+
+def log_estimates(shape: ModelShape, args: argparse.Namespace, rows: list[dict], read_bytes_per_s: float
+                  ) -> dict[str, Any]:
+    """Estimate every row before running it, log them with the total, warn about rows that may not fit in RAM."""
+    import psutil
+
+    flops = matmul_flops_per_s(shape, args.threads)
+    free = psutil.virtual_memory().available
+    estimates = []
+    for row in rows:
+        e = estimate_row(shape, row["system"], row["batch"], args.prompt_len, args.new_tokens, args.warmup_tokens,
+                         flops, read_bytes_per_s)
+        estimates.append({"system": row["system"], "batch": row["batch"], **e})
+        if e["peak_rss_bytes"] > free:
+            log.warning("%s at batch %d may need %.1f GiB, %.1f GiB of RAM is available", row["system"],
+                        row["batch"], e["peak_rss_bytes"] / GiB, free / GiB)
+    if args.cb_prompts > 0:       # both modes ~ static batches of the mean prompt length (1.125 x --prompt-len)
+        groups = -(-args.cb_prompts // args.cb_static_batch)
+        for system in [s for s in args.systems if s == "resident" or s in POLICIES]:
+            e = estimate_row(shape, system, args.cb_static_batch, int(1.125 * args.prompt_len), args.new_tokens, 0,
+                             flops, read_bytes_per_s)
+            estimates.append({"system": system, "batch": f"generate_batch vs static {args.cb_static_batch}",
+                              "peak_rss_bytes": e["peak_rss_bytes"], "seconds": 2 * groups * e["seconds"]})
+    total = sum(e["seconds"] for e in estimates) + (args.idle_wait > 0) * 3.0 * len(estimates)
+    log.info("estimate (%.0f GFLOP/s bf16, %.0f MB/s cold reads): %s; about %.0f s for %d rows", flops / 1e9,
+             read_bytes_per_s / 1e6, ", ".join(f"{e['system']}@{e['batch']} {e['peak_rss_bytes'] / GiB:.1f} GiB "
+                                               f"{e['seconds']:.0f} s" for e in estimates), total, len(estimates))
+    return {"flops_per_s": flops, "read_bytes_per_s": read_bytes_per_s, "rows": estimates, "total_s": total}
 
 
 # ---------------------------------------------------------------------------------------------- device memory plan
@@ -1465,12 +1583,11 @@ def worker_spec(args: argparse.Namespace, shape: ModelShape, path: Path, row: di
             "new_tokens": args.new_tokens, "seed": args.seed, "warmup_tokens": args.warmup_tokens}
 
 
-def run_rows(args: argparse.Namespace, shape: ModelShape, path: Path) -> list[dict[str, Any]]:
+def run_rows(args: argparse.Namespace, shape: ModelShape, path: Path, rows: list[dict[str, Any]]
+             ) -> list[dict[str, Any]]:
     """Every planned row, one worker process each, in order."""
     from tqdm.auto import tqdm
 
-    rows = plan_rows(args.device, shape, args.systems, args.stores, [int(c * GiB) for c in args.caps_gib],
-                     args.batch_sizes, args.prompt_len + args.new_tokens)
     results = []
     for row in tqdm(rows, desc="rows", unit="run"):
         waited = wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
@@ -1537,7 +1654,10 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     path = build_checkpoint(shape, args.seed, args.workdir)
     files = checkpoint_files(path)
     bandwidth, store_reads = disk_bandwidth(files), store_read_bandwidth(files)
-    results = run_rows(args, shape, path)
+    rows = plan_rows(args.device, shape, args.systems, args.stores, [int(c * GiB) for c in args.caps_gib],
+                     args.batch_sizes, args.prompt_len + args.new_tokens)
+    estimates = log_estimates(shape, args, rows, store_reads["bytes_per_s"]) if args.device == "cpu" else None
+    results = run_rows(args, shape, path, rows)
     batching = run_cb_rows(args, shape, path) if args.cb_prompts > 0 else None
     compare_tokens(results)
     # again at the end: the disk may be shared
@@ -1557,7 +1677,8 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                      "new_tokens": args.new_tokens, "warmup_tokens": args.warmup_tokens, "systems": args.systems,
                      "stores": args.stores if args.device == "cuda" else ["disk"],
                      "caps_gib": args.caps_gib, "evict_page_cache": not args.no_evict, "threads": args.threads,
-                     "seed": args.seed, "hf_moe_offload_policy": OURS_POLICY},
+                     "seed": args.seed, "hf_moe_offload_policy": OURS_POLICY,
+                     "estimates": estimates},
         "disk_bandwidth": bandwidth,             # sequential reads of the largest shard: for reference
         "store_read_bandwidth": store_reads,     # the store's kind of reads: the bound's bandwidth
         "results": results,
