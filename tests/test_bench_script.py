@@ -1,5 +1,6 @@
 """scripts/bench.py at its --tiny size on the CPU: the JSON rows, per-row peak RSS, a missing matplotlib, a missing
-GPU, and the CUDA report path fed with CPU rows (the GPU run itself cannot happen here)."""
+GPU, the CUDA report path fed with CPU rows (the GPU run itself cannot happen here), issue 8's bound and
+resident-set floor, the store-like read bandwidth, the generate_batch rows, and --from-json on the committed runs."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import dataclasses
 import importlib.util
 import json
 import logging
+import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -58,6 +61,7 @@ def tiny_run(tmp_path_factory):
             mp.setattr(builtins, "__import__", no_matplotlib)
             rc = bench.main(["--tiny", "--systems", *SYSTEMS, "--batch-sizes", "2", "--prompt-len", "8",
                              "--new-tokens", "3", "--warmup-tokens", "1", "--idle-wait", "0",
+                             "--cb-prompts", "4", "--cb-static-batch", "2",
                              "--workdir", str(tmp / "work"), "--out", str(tmp / "out" / "tiny")])
     finally:
         logging.getLogger("bench").removeHandler(records)
@@ -137,3 +141,74 @@ def test_cuda_report_path_on_cpu_rows(tiny_run, tmp_path):
     assert ours["bound_bandwidth_bytes_per_s"] == h2d                # pinned store: H2D is the only link
     bench.write_outputs(report, tmp_path / "gpu")
     assert (tmp_path / "gpu.json").exists() and (tmp_path / "gpu.png").stat().st_size > 0
+
+
+def test_bound_is_computed_and_within_what_the_tiny_run_allows(tiny_run):
+    """bound = batch / max(resident step time, must-move bytes / store-like bandwidth): never above the resident
+    row's speed, and its bandwidth is the store-like one of the same run."""
+    report = tiny_run["report"]
+    resident, accelerate, ours = report["results"]
+    store_bw = report["store_read_bandwidth"]["bytes_per_s"]
+    for r in (accelerate, ours):
+        bound = r["bound"]
+        assert bound["bandwidth_bytes_per_s"] == store_bw
+        assert bound["compute_step_s"] == resident["decode_s"] / resident["decode_steps"]
+        assert 0 < bound["decode_tok_s"] <= resident["decode_tok_s"] * (1 + 1e-9)
+        assert bound["decode_over_bound"] == pytest.approx(r["decode_tok_s"] / bound["decode_tok_s"])
+        assert 0 < bound["prefill_tok_s"] <= resident["prefill_tok_s"] * (1 + 1e-9)
+        assert r["read_bytes_per_step"] == r["decode_read_bytes"] / r["decode_steps"]
+    assert ours["bound"]["must_move_bytes_per_step"] == ours["floor_bytes_per_step"]
+    assert ours["vs_accelerate"] == pytest.approx(ours["decode_tok_s"] / accelerate["decode_tok_s"])
+    table = bench.markdown_table(report["results"])
+    assert "| bound tok/s | decode / bound | vs accelerate |" in table and "| disk / floor |" in table
+
+
+def test_resident_set_floor_on_a_hand_made_example():
+    """(experts touched - cache slots) x expert bytes, clipped at 0; a pass touching all 64 experts with a 25% cache
+    (16 slots) reads (1 - 25%) of the expert bytes."""
+    one = 22 * 2**20
+    assert bench.resident_set_floor(64, 16, one) == 0.75 * 64 * one
+    assert bench.resident_set_floor(10, 16, one) == 0
+    row = {"system": "hf_moe_offload", "ours": {"decode_step_experts_used": [64, 20, 3], "prefill_experts_used": 64,
+                                                "cache_capacity_bytes": 16 * one + one // 2}}   # 16.5 slots: 16
+    assert bench.floors(row, one) == ([48 * one, 4 * one, 0], 48 * one)
+    assert bench.floors({"system": "hf_moe_offload", "ours": {}}, one) is None     # runs saved before routing
+
+
+def test_generate_batch_row_ran_or_says_why(tiny_run):
+    batching = tiny_run["report"]["continuous_batching"]
+    assert batching["prompts"] == 4 and batching["static_batch"] == 2
+    assert [r["system"] for r in batching["rows"]] == ["resident", "hf_moe_offload"]
+    for r in batching["rows"]:
+        if "skipped" in r:
+            assert any(r["system"] in w and r["skipped"] in w for w in tiny_run["warnings"])
+            continue
+        assert [m["mode"] for m in r["modes"]] == ["continuous", "static, batch 2"]
+        for m in r["modes"]:
+            assert m["generated_tokens"] == 4 * 3 and m["tok_s"] > 0 and m["forwards"] >= 3
+            assert m["tokens_match"] is (None if r["system"] == "resident" else True)
+
+
+def test_generate_batch_is_skipped_with_its_reason():
+    flex = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flex_attention"), generate_batch=None)
+    assert "needs sdpa, paged|eager or flash attention" in bench.cb_unavailable(flex)
+    assert "has no generate_batch" in bench.cb_unavailable(SimpleNamespace(config=flex.config))
+    assert bench.cb_unavailable(SimpleNamespace(config=SimpleNamespace(_attn_implementation="eager"),
+                                                generate_batch=None)) is None       # switched to paged|eager
+
+
+def test_store_like_read_bandwidth_is_positive(tiny_run):
+    files = bench.checkpoint_files(Path(tiny_run["report"]["model"]["checkpoint"]))
+    bw = bench.store_read_bandwidth(files, repeats=1)
+    assert bw["readers"] == 4 and bw["experts"] == 2 * 8 and bw["bytes_per_s"] > 0
+    assert bw["bytes"] == bench.TINY.expert_bytes()
+    assert tiny_run["report"]["store_read_bandwidth"]["bytes_per_s"] > 0
+
+
+@pytest.mark.parametrize("name", ["cpu_mixtral_1.5gb", "cpu_mixtral_1.5gb_warm", "cpu_mixtral_1.5gb_eviction"])
+def test_from_json_renders_the_committed_runs(name, tmp_path, capsys):
+    """Runs saved before the bound, the floor and the generate_batch rows existed still render."""
+    committed = SCRIPT.parent.parent / "benchmarks" / "results" / f"{name}.json"
+    shutil.copy(committed, tmp_path / committed.name)        # --from-json rewrites the JSON beside it
+    assert bench.main(["--from-json", str(tmp_path / committed.name)]) == 0
+    assert "| bound tok/s |" in capsys.readouterr().out
