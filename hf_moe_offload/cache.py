@@ -10,6 +10,12 @@ One lock serialises every caller (two threads generating on one model take turns
 fails leaves nothing behind: its key is evicted and its slot freed before the error reaches the caller, so the
 next fetch reads the expert again.
 
+Streaming (passes that touch most experts, see `schedule.py`): `window` bounds the slots a layer may have loading or
+landed-but-unused at once, so the rest of the cache keeps a stable resident set instead of churning, and
+`read_ahead` queues the next layer's likely experts, loaded in forward order into that window as the current layer's
+experts finish. Loads for later layers only ever evict experts whose next use is furthest away as seen from the
+layer computing now (the layer-aware order), never what that layer or the next still needs.
+
 When the store already lives in the compute device's memory (CPU store, CPU device), there is nothing to move:
 the cache hands out the store's slabs directly ("zero-copy") and allocates no slots.
 """
@@ -71,6 +77,10 @@ class ExpertCache:
         self.resident: dict[Key, Slot] = {}                      # resident or loading
         self.recency: OrderedDict[Key, None] = OrderedDict()     # least recently used first
         self.lock = threading.RLock()
+        self.window: int | None = None       # streaming: most loads in flight or landed-unused at once
+        self.ahead: list[Key] = []           # streaming: the next layer's experts to load, in order
+        self.current_layer = 0               # the layer being computed (victims are chosen as seen from it)
+        self._loaded_this_pass: set[Key] = set()
         # On CUDA a wait does not block the host, the compute stream does: stalls are timed there, by an event
         # pair around each wait, and added to the stats once both events have run.
         self._device_stalls: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -95,6 +105,20 @@ class ExpertCache:
         with self.lock:
             yield from self._fetch_locked(layer, experts, on_pinned)
 
+    def begin_pass(self, window: int | None) -> None:
+        """A forward pass starts: `window` bounds its loads in flight (None: no bound, on-demand schedule)."""
+        with self.lock:
+            self.window, self.ahead = window, []
+            self._loaded_this_pass.clear()
+
+    def read_ahead(self, layer: int, experts: Sequence[int]) -> None:
+        """Queue `experts` of `layer` (the next one) to load, in order, into the window while the current layer
+        computes; replaces any earlier queue. Exact: the router still decides, a wrong guess costs bytes."""
+        if self.zero_copy:
+            return
+        with self.lock:
+            self.ahead = [(layer, e) for e in experts if (layer, e) not in self.resident]
+
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading `experts` of `layer` ahead of need, into free slots or slots whose expert is neither in
         use, nor in flight, nor itself prefetched and unused. Never exceeds the budget. Returns loads started."""
@@ -106,7 +130,7 @@ class ExpertCache:
                 key = (layer, e)
                 if key in self.resident:
                     continue
-                slot = self._free_slot(layer, for_prefetch=True)
+                slot = self._free_slot(self.current_layer, speculative_for=layer)
                 if slot is None:
                     break
                 self._load(slot, key, demand=False)
@@ -133,30 +157,33 @@ class ExpertCache:
     def _fetch_locked(self, layer: int, experts: Sequence[int], on_pinned: Callable[[], None] | None
                       ) -> Iterator[tuple[int, torch.Tensor]]:
         numel = self.store.layouts[layer].numel
+        self.current_layer = layer
+        self.ahead = [key for key in self.ahead if key[0] != layer]   # queued for this layer: its demand covers it
         keys = [(layer, e) for e in experts]
         for key in keys:
             slot = self.resident.get(key)
             if slot is not None and slot.prefetched:
                 slot.prefetched = False
                 self.stats.record_prefetch_hit(layer)
-        resident = [k for k in keys if k in self.resident and self.resident[k].load is None]
-        missing = [k for k in keys if k not in resident]
+        landed = [k for k in keys if k in self.resident and self.resident[k].load is None]
+        issued = [k for k in keys if k in self.resident and k not in landed]   # already on their way (prefetched)
+        pending = [k for k in keys if k not in self.resident]                 # to load, in order
+        total = len(issued) + len(pending)
         pinned: list[Key] = []                   # pins this fetch holds, dropped as it moves on
-        for key in resident:
+        for key in landed + issued:              # pinned now: nothing this layer needs can be evicted for it
             self.stats.record_hit(layer)
             self._pin(key, pinned)
-        issued: list[Key] = []                   # missing keys with a slot, in issue order
         try:
-            self._issue(missing, issued, pinned)
+            self._top_up(pending, issued, pinned, served=0)
             if on_pinned is not None:
                 on_pinned()
-            for key in resident:
+            for key in landed:
                 yield key[1], self.memory[self.resident[key].index][:numel]
                 self._unpin(key, pinned)
-                self._issue(missing, issued, pinned)
-            for done in range(len(missing)):
+                self._top_up(pending, issued, pinned, served=0)
+            for done in range(total):
                 if done >= len(issued):          # every slot was pinned by earlier loads: now some are free
-                    self._issue(missing, issued, pinned)
+                    self._issue(pending, issued, pinned, served=done)
                     if done >= len(issued):
                         raise RuntimeError(f"expert cache has no free slot for layer {layer} "
                                            f"({self.num_slots} slots, all pinned)")
@@ -164,7 +191,7 @@ class ExpertCache:
                 self._wait(self.resident[key])
                 yield key[1], self.memory[self.resident[key].index][:numel]
                 self._unpin(key, pinned)
-                self._issue(missing, issued, pinned)
+                self._top_up(pending, issued, pinned, served=done + 1)
         finally:
             # Done, or an exception mid-layer: let in-flight loads land, drop our pins; the cache stays consistent.
             for key in issued:
@@ -174,22 +201,48 @@ class ExpertCache:
             for key in list(pinned):
                 self._unpin(key, pinned)
 
-    def _issue(self, missing: list[Key], issued: list[Key], pinned: list[Key]) -> None:
-        """Start loads for the next missing experts while a slot can be freed without touching a pin."""
-        while len(issued) < len(missing):
-            key = missing[len(issued)]
-            if key in self.resident:             # arrived meanwhile (already loading, e.g. by a prefetch)
+    def _top_up(self, pending: list[Key], issued: list[Key], pinned: list[Key], served: int) -> None:
+        """This layer's missing experts first, then the read-ahead queue, within the window."""
+        self._issue(pending, issued, pinned, served)
+        if not pending:
+            self._issue_ahead(in_flight=len(issued) - served)
+
+    def _issue(self, pending: list[Key], issued: list[Key], pinned: list[Key], served: int) -> None:
+        """Start loads for this layer's pending experts while a slot can be freed without touching a pin (and, when
+        streaming, while fewer than `window` of its loads are issued and not yet served)."""
+        while pending:
+            if pending[0] in self.resident:      # brought in meanwhile (a prefetch): no second read
+                key = pending.pop(0)
                 self.stats.record_hit(key[0])
                 self._pin(key, pinned)
                 issued.append(key)
                 continue
-            slot = self._free_slot(key[0])
+            if self.window is not None and len(issued) - served >= max(self.window, 1):
+                return
+            slot = self._free_slot(pending[0][0])
             if slot is None:
                 return
+            key = pending.pop(0)
             self._load(slot, key, demand=True)
             self._pin(key, pinned)
             self.stats.record_miss(key[0], self.store.slab_bytes(key[0]))
             issued.append(key)
+
+    def _issue_ahead(self, in_flight: int) -> None:
+        """Load queued next-layer experts into the window's remaining room, as prefetches."""
+        room = (self.window or 0) - in_flight - sum(1 for slot in self.slots if slot.prefetched)
+        while self.ahead and room > 0:
+            key = self.ahead.pop(0)
+            if key in self.resident:
+                continue
+            slot = self._free_slot(self.current_layer, speculative_for=key[0])
+            if slot is None:
+                self.ahead.insert(0, key)
+                return
+            self._load(slot, key, demand=False)
+            slot.prefetched = True
+            self.stats.record_prefetch(key[0], self.store.slab_bytes(key[0]), readahead=True)
+            room -= 1
 
     def _first_arrived(self, issued: list[Key], start: int) -> Key:
         """Of the issued keys not yet served (`issued[start:]`), the first whose load has landed, else the oldest;
@@ -203,19 +256,24 @@ class ExpertCache:
     # -- slots ----------------------------------------------------------------------------------------------------
 
     def _load(self, slot: Slot, key: Key, demand: bool) -> None:
+        if key in self._loaded_this_pass:
+            self.stats.record_repeat_read(key[0])
+        self._loaded_this_pass.add(key)
         slot.key, slot.prefetched = key, False
         self.resident[key] = slot
         self.recency[key] = None
         slot.load = self.copy.load(key[0], key[1], self.memory[slot.index], after=slot.release, demand=demand)
         self.stats.set_resident(self.resident_bytes())
 
-    def _free_slot(self, layer: int, for_prefetch: bool = False) -> Slot | None:
+    def _free_slot(self, layer: int, speculative_for: int | None = None) -> Slot | None:
+        """A slot for a load while `layer` computes: a demand load of `layer`, or (`speculative_for`) a prefetch
+        or read-ahead of that later layer."""
         if not self.free:
             self._reap_finished_loads()
         if self.free:
             return self.free.pop()
-        victim = self._victim(layer, for_prefetch)
-        if victim is None and not for_prefetch:
+        victim = self._victim(layer, speculative_for)
+        if victim is None and speculative_for is None:
             # Demand beats prefetch: let an unused prefetch still in flight land, then it may be evicted.
             in_flight = [s for s in self.slots if s.load is not None and s.pins == 0]
             if in_flight:
@@ -231,16 +289,29 @@ class ExpertCache:
         self._forget(victim)
         return victim
 
-    def _victim(self, layer: int, for_prefetch: bool = False) -> Slot | None:
-        """Which unpinned, landed expert leaves to make room for one of `layer`."""
-        candidates = [k for k in self.recency if self._evictable(self.resident[k], for_prefetch)]
+    def _victim(self, layer: int, speculative_for: int | None = None) -> Slot | None:
+        """Which unpinned, landed expert leaves to make room while `layer` computes. A speculative load never
+        evicts another unused speculative load, nor an expert whose layer comes up no later than its own (that
+        would trade a sure use for a guess)."""
+        candidates = [k for k in self.recency if self._evictable(self.resident[k], speculative_for)]
         if not candidates:
             return None
         return self.resident[self.eviction.choose(candidates, layer)]
 
-    @staticmethod
-    def _evictable(slot: Slot, for_prefetch: bool) -> bool:
-        return slot.pins == 0 and slot.load is None and not (for_prefetch and slot.prefetched)
+    def _evictable(self, slot: Slot, speculative_for: int | None) -> bool:
+        if slot.pins or slot.load is not None:
+            return False
+        if speculative_for is None:
+            return True
+        if slot.prefetched:
+            return False
+        if slot.key[0] == speculative_for == self.current_layer:   # both next needed a whole cycle from now
+            return True
+        return self._layers_until(slot.key[0]) > self._layers_until(speculative_for)
+
+    def _layers_until(self, layer: int) -> int:
+        """How many MoE layers from now until `layer` runs again, in the forward order (the current one last)."""
+        return (layer - self.current_layer - 1) % len(self.store.layouts)
 
     def _forget(self, slot: Slot) -> None:
         """The slot no longer holds its key (its memory may still be read by queued compute: `release` stays)."""

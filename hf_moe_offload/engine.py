@@ -22,6 +22,7 @@ from .cache import ExpertCache
 from .hooks import HookHandle, LayerHook
 from .layout import MoELayer
 from .policy import OffloadPolicy, PolicyError
+from .schedule import StreamPlanner
 from .stats import OffloadStats, StatsSnapshot
 from .store import ExpertStore
 
@@ -36,10 +37,15 @@ class LayerRuntime:
     def __init__(self, engine: "OffloadEngine", layer: MoELayer):
         self.engine, self.layer = engine, layer
 
-    def fetch(self, experts: Sequence[int]) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Yield (expert, named weight views on the device), resident experts first; close it when done early."""
+    def fetch(self, experts: Sequence[int], hidden_states: torch.Tensor | None = None
+              ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Yield (expert, named weight views on the device), resident experts first; close it when done early.
+        `hidden_states` [tokens, hidden] is the layer's input, shown to the hooks (read-ahead uses it)."""
         index, hooks = self.layer.index, self.engine.hooks
         self.engine.stats.record_forward(index, len(experts))
+        if hidden_states is not None:
+            for hook in hooks:
+                hook.before_experts(index, hidden_states)
         for hook in hooks:
             hook.on_route(index, experts)
 
@@ -94,6 +100,8 @@ class OffloadEngine:
                 arch.set_expert_params(layer.module, read_layer_experts(store, layer, restore_to))
             raise
         engine = cls(model, policy, arch, layers, store, cache, stats, restore_to, moved_resident_from)
+        if not cache.zero_copy:
+            engine.add_hook(StreamPlanner(engine))     # per-pass schedule: on demand, or streamed in forward order
         for layer, runtime in zip(layers, engine.runtimes):
             arch.attach(model, layer, runtime)
         engine._guard_model()

@@ -1,7 +1,8 @@
 """`LayerHook`: what prefetchers and observers implement to see each offloaded MoE layer as the forward reaches it
 (the role accelerate's `ModelHook` plays around a module's forward).
 
-The engine calls, per MoE layer and pass: `on_route` (the router has chosen, nothing fetched yet), `on_pinned`
+The engine calls, per MoE layer and pass: `before_experts` (the layer's input hidden states, before anything is
+fetched), `on_route` (the router has chosen, nothing fetched yet), `on_pinned`
 (this layer's experts are pinned and their loads issued: the moment to prefetch for later layers, since nothing
 this layer needs can be evicted), `on_layer_done` (its experts have computed). `stats()` adds counters to
 `hf_moe_offload.stats(model)`; `close()` runs when the engine detaches.
@@ -20,9 +21,14 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import torch
+
 
 class LayerHook:
     """Override what you need; every method does nothing by default."""
+
+    def before_experts(self, layer: int, hidden_states: torch.Tensor) -> None:
+        """MoE layer `layer` is about to run on `hidden_states` [tokens, hidden] (its router's input)."""
 
     def on_route(self, layer: int, experts: Sequence[int]) -> None:
         """The router chose `experts` (unique, ascending) for this pass of MoE layer `layer`."""

@@ -26,6 +26,8 @@ STORES = ("cpu", "disk")
 EVICTIONS = ("lru", "lfu", "layer")
 PREFETCHERS = ("none", "hash")
 ROUTINGS = ("router", "predicted")
+SCHEDULES = ("auto", "on_demand", "stream")
+DEFAULT_STREAM_WINDOW = 2        # stream_window="auto"
 DEFAULT_MAX_BATCH_SIZE = 1       # max_batch_size="auto"
 DEFAULT_MAX_SEQ_LEN = 4096       # max_seq_len="auto" caps the model's max_position_embeddings at this
 
@@ -115,6 +117,19 @@ class OffloadPolicy:
                           f'{DEFAULT_MAX_SEQ_LEN}.'},
     )
 
+    schedule: str = field(
+        default=AUTO,
+        metadata={"help": 'How a forward pass brings its experts: "on_demand" (each layer fetches what its router '
+                          'picked), "stream" (forward order through a small window of slots, the next layer read '
+                          'ahead, the rest of the cache a stable resident set), or "auto": stream the passes expected '
+                          "to touch at least half of a layer's experts (prefill, batches of 8+). Exact either way."},
+    )
+    stream_window: int | str = field(
+        default=AUTO,
+        metadata={"help": "Slots a streamed layer may have loading or landed-unused at once (the rest keep resident "
+                          f'experts); "auto": {DEFAULT_STREAM_WINDOW}.'},
+    )
+
     @classmethod
     def from_any(cls, value: "OffloadPolicy | Mapping[str, Any] | str | None") -> "OffloadPolicy":
         """Build a validated policy from a policy, a dict of fields, a preset name, or a JSON object string."""
@@ -149,6 +164,9 @@ class OffloadPolicy:
             parse_size(self.expert_cache, total=1)  # raises on a malformed size
         self.max_batch_size = parse_count("max_batch_size", self.max_batch_size)
         self.max_seq_len = parse_count("max_seq_len", self.max_seq_len)
+        if self.schedule not in SCHEDULES:
+            raise PolicyError(f"schedule={self.schedule!r} is not allowed; allowed: {list(SCHEDULES)}")
+        self.stream_window = parse_count("stream_window", self.stream_window)
         if self.prefetch not in PREFETCHERS:
             raise PolicyError(f"prefetch={self.prefetch!r} is not allowed; allowed: {list(PREFETCHERS)}")
         if self.routing not in ROUTINGS:

@@ -2,7 +2,11 @@
 
 - `bytes_to_device`: demand misses plus prefetches, each one expert slab;
 - `stall_s`: how long compute waited for experts to arrive: host time on the CPU; on a GPU, the compute stream's
-  own waits, timed by CUDA events (the host does not block there).
+  own waits, timed by CUDA events (the host does not block there);
+- `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those
+  the router then used, those evicted unused; `readahead_issued`: the read-ahead's share of `prefetch_issued`;
+- `repeat_reads`: experts read more than once within one forward pass;
+- `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape).
 
 Example:
     >>> s = OffloadStats(num_layers=2, capacity_bytes=1024)
@@ -19,7 +23,7 @@ import threading
 from typing import Callable
 
 PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "experts_used",
-             "prefetch_issued", "prefetch_hits", "prefetch_wasted")
+             "prefetch_issued", "prefetch_hits", "prefetch_wasted", "readahead_issued", "repeat_reads")
 
 
 class StatsSnapshot(dict):
@@ -47,6 +51,8 @@ class OffloadStats:
         with self._lock:
             self.layer = {name: [0] * self.num_layers for name in PER_LAYER}
             self.forward_calls = 0
+            self.passes: dict[str, int] = {}     # forward passes per schedule ("on_demand", "stream")
+            self.last_schedule: str | None = None
             self.peak_cache_bytes = self.resident_bytes   # the peak from now on starts at what is resident
 
     def record_hit(self, layer: int) -> None:
@@ -58,9 +64,11 @@ class OffloadStats:
             self.layer["misses"][layer] += 1
             self.layer["bytes_to_device"][layer] += nbytes
 
-    def record_prefetch(self, layer: int, nbytes: int) -> None:
+    def record_prefetch(self, layer: int, nbytes: int, readahead: bool = False) -> None:
+        """A speculative load: a prefetcher's, or (`readahead`) the streaming schedule's look-ahead."""
         with self._lock:
             self.layer["prefetch_issued"][layer] += 1
+            self.layer["readahead_issued"][layer] += readahead
             self.layer["bytes_to_device"][layer] += nbytes
 
     def record_prefetch_hit(self, layer: int) -> None:
@@ -70,6 +78,16 @@ class OffloadStats:
     def record_prefetch_wasted(self, layer: int) -> None:
         with self._lock:
             self.layer["prefetch_wasted"][layer] += 1
+
+    def record_repeat_read(self, layer: int) -> None:
+        """An expert read a second time within one forward pass (streaming aims at zero)."""
+        with self._lock:
+            self.layer["repeat_reads"][layer] += 1
+
+    def record_pass(self, schedule: str) -> None:
+        with self._lock:
+            self.passes[schedule] = self.passes.get(schedule, 0) + 1
+            self.last_schedule = schedule
 
     def record_eviction(self, layer: int) -> None:
         with self._lock:
@@ -98,6 +116,8 @@ class OffloadStats:
                 **totals,
                 "hit_rate": totals["hits"] / lookups if lookups else 0.0,
                 "forward_calls": self.forward_calls,
+                "passes": dict(self.passes),
+                "last_schedule": self.last_schedule,
                 "resident_bytes": self.resident_bytes,
                 "peak_cache_bytes": self.peak_cache_bytes,
                 "cache_capacity_bytes": self.capacity_bytes,

@@ -83,6 +83,12 @@ class MoEArch(ABC):
         """A replacement for the router's forward `output` in which `logits` [tokens, E] decide, computed the way
         the router computes its own (softmax, top-k, renormalisation): used by predicted routing."""
 
+    def router_weight(self, model: nn.Module, layer: MoELayer) -> torch.Tensor | None:
+        """The router's linear weight [E, hidden] (logits = hidden @ weight.T), or None if it has none: look-ahead
+        applies it to an earlier layer's hidden states to guess this layer's experts."""
+        weight = getattr(self.router_module(model, layer), "weight", None)
+        return weight if isinstance(weight, torch.Tensor) and weight.dim() == 2 else None
+
     def routes_input_ids(self, layer: MoELayer) -> bool:
         """Whether `layer` routes the tokens of the model's `input_ids` (not, e.g., an encoder-decoder's decoder)."""
         return True

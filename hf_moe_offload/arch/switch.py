@@ -58,6 +58,9 @@ class SwitchArch(MoEArch):
     def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
         return model.get_submodule(layer.name.rsplit(".", 1)[0]).router
 
+    def router_weight(self, model: nn.Module, layer: MoELayer) -> torch.Tensor | None:
+        return self.router_module(model, layer).classifier.weight
+
     def router_logits(self, output) -> torch.Tensor:
         logits = output[2]                                          # (expert_index, router_probs, logits [B,S,E])
         return logits.reshape(-1, logits.shape[-1])
