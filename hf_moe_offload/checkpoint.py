@@ -241,6 +241,24 @@ def read_into(rng: ByteRange, dst: torch.Tensor, fd: int, bounce: torch.Tensor |
     dst.copy_(raw.view(rng.dtype).view(dst.shape))
 
 
+def split_range(rng: ByteRange, chunk_bytes: int) -> list[tuple[ByteRange, int]]:
+    """`rng` cut into consecutive pieces of at most `chunk_bytes`, each with its byte offset within `rng`: reads of
+    the pieces can run in parallel (one expert read by several threads reaches the disk's parallel bandwidth).
+
+    Example:
+        >>> [(r.offset, r.nbytes, start) for r, start in split_range(ByteRange("f", 100, 10, torch.uint8, (10,)), 4)]
+        [(100, 4, 0), (104, 4, 4), (108, 2, 8)]
+    """
+    return [(ByteRange(rng.path, rng.offset + start, min(chunk_bytes, rng.nbytes - start), torch.uint8,
+                       (min(chunk_bytes, rng.nbytes - start),)), start)
+            for start in range(0, rng.nbytes, chunk_bytes)]
+
+
+def pread_exact(rng: ByteRange, buf: memoryview, fd: int) -> None:
+    """Read exactly the bytes of `rng` from `fd` into `buf` (its length must match)."""
+    _pread_exact(rng, buf, fd)
+
+
 def _pread_exact(rng: ByteRange, buf: memoryview, fd: int) -> None:
     if len(buf) != rng.nbytes:
         raise CheckpointError(f"{rng.path}: expected {len(buf)} bytes at {rng.offset}, tensor has {rng.nbytes}")
