@@ -69,7 +69,8 @@ def test_predicted_routing_alone_does_not_prefetch(tiny_models, predictors):
     model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%",
                       prefetch="none", routing="predicted", predictor=predictors["mixtral"])
     model.generate(_ids(), max_new_tokens=4, do_sample=False, pad_token_id=0)
-    assert hf_moe_offload.stats(model)["prefetch_issued"] == 0
+    snap = hf_moe_offload.stats(model)
+    assert snap["prefetch_issued"] == snap["readahead_issued"]   # only the streaming schedule's own read-ahead
 
 
 def test_predictor_for_another_model_is_refused_before_loading(tiny_models, predictors, tmp_path):
@@ -96,3 +97,22 @@ def test_disable_removes_the_predictor_hooks(tiny_models, predictors):
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     with torch.no_grad():
         assert torch.equal(model(ids).logits, before)
+
+
+def test_predicted_routing_steps_aside_under_continuous_batching(tiny_models, predictors):
+    """generate_batch packs a different set of requests into one row every pass: the per-row predictor state cannot
+    follow, so the router decides there (tokens equal the unpatched model's)."""
+    from transformers import ContinuousBatchingConfig, GenerationConfig
+
+    prompts = [torch.randint(3, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 9, 3)]
+    gen = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=2, pad_token_id=0)
+    cb = ContinuousBatchingConfig(max_batch_tokens=8, num_blocks=16, page_size=16)
+
+    def run(model):
+        out = model.generate_batch(prompts, generation_config=gen, continuous_batching_config=cb)
+        return [o.generated_tokens for o in out.values()]
+
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%",
+                      routing="predicted", predictor=predictors["mixtral"])
+    assert run(model) == run(reference("mixtral", tiny_models["mixtral"]))
+    assert hf_moe_offload.get_engine(model).prefetcher._warned_paged

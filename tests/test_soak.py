@@ -40,8 +40,9 @@ def test_ten_thousand_tokens_keep_rss_threads_and_open_files_flat(tiny_models):
         generated += model.generate(ids, **kwargs).shape[1] - ids.shape[1]
     rss_after, threads_after, files_after = _settle()
     assert generated == 10_000
-    assert threads_after == threads
-    assert files_after == files
+    # No growth (earlier tests' dropped models may still be winding their reader threads down: fewer is fine).
+    assert threads_after <= threads
+    assert files_after <= files
     assert rss_after - rss < 32 * 2**20, f"RSS grew by {(rss_after - rss) / 2**20:.1f} MiB over 10,000 tokens"
 
 

@@ -72,6 +72,7 @@ class HashPrefetcher(LayerHook):
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf_moe_offload_hash")
         self._callers = threading.local()
         self._times_lock = threading.Lock()
+        self._warned_paged = False
         self.predict_s = 0.0
         self.wait_s = 0.0
         self._hooks = [self.stream.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
@@ -92,7 +93,13 @@ class HashPrefetcher(LayerHook):
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         caller = self._caller()
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None:                                      # inputs_embeds only: nothing to hash
+        if ids is None or _is_continuous_batching(kwargs):
+            # inputs_embeds only: nothing to hash. Continuous batching packs a different set of requests into one
+            # row every pass, which a per-row causal state cannot follow: the router decides alone there.
+            if ids is not None and self.routing == "predicted" and not self._warned_paged:
+                logger.warning("hf_moe_offload: routing='predicted' is not applied under continuous batching "
+                               "(generate_batch); the router decides")
+                self._warned_paged = True
             caller.pending, caller.table = None, None
             return
         past = kwargs.get("past_key_values")
@@ -174,6 +181,11 @@ class HashPrefetcher(LayerHook):
         for hook in self._hooks:
             hook.remove()
         self._pool.shutdown(wait=True)
+
+
+def _is_continuous_batching(forward_kwargs: dict) -> bool:
+    """Whether a forward runs under transformers' continuous batching (packed sequences, a paged KV cache)."""
+    return "cu_seq_lens_q" in forward_kwargs or type(forward_kwargs.get("cache")).__name__ == "PagedAttentionCache"
 
 
 def _record_event(device: torch.device):

@@ -1,0 +1,134 @@
+"""The streaming schedule: chosen per pass from its shape, exact, within the budget, no expert read twice in a pass,
+and fewer bytes per pass than the on-demand schedule when every expert is used once per pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import hf_moe_offload
+from hf_moe_offload.arch import SlabLayout
+from hf_moe_offload.cache import ExpertCache
+from hf_moe_offload.schedule import StreamPlanner
+from hf_moe_offload.stats import OffloadStats
+from hf_moe_offload.store import ExpertStore
+from conftest import FAMILIES, model_class, offloaded, reference, token_inputs
+
+NUMEL = 16
+
+
+class LayeredStore(ExpertStore):
+    """Slab (layer, e) holds the value 100 * layer + e; every read is recorded."""
+
+    def __init__(self, num_layers: int, num_experts: int):
+        super().__init__([SlabLayout((("w", (NUMEL,)),))] * num_layers, [num_experts] * num_layers, torch.float32)
+        self.reads: list[tuple[int, int]] = []
+
+    def read_into(self, layer, expert, dst):
+        self.reads.append((layer, expert))
+        dst[:NUMEL].fill_(100.0 * layer + expert)
+
+
+def _cyclic_passes(window: int | None, passes: int = 6, layers: int = 4, experts: int = 4, slots: int = 6):
+    """Passes in which every layer uses every expert (a large batch): reads per pass after the first."""
+    store = LayeredStore(layers, experts)
+    stats = OffloadStats(layers, slots * NUMEL * 4)
+    cache = ExpertCache(store, torch.device("cpu"), slots * NUMEL * 4, "layer", stats)
+    reads = []
+    for _ in range(passes):
+        before = len(store.reads)
+        cache.begin_pass(window)
+        for layer in range(layers):
+            if window is not None and layer + 1 < layers:
+                cache.read_ahead(layer + 1, range(experts))
+            for e, slab in cache.fetch(layer, list(range(experts))):
+                assert torch.all(slab == 100 * layer + e)
+                assert cache.resident_bytes() <= cache.num_slots * cache.slot_bytes
+        reads.append(len(store.reads) - before)
+    return reads[1:], stats.snapshot()
+
+
+def test_streaming_reads_each_non_resident_expert_once_per_pass_and_fewer_than_on_demand():
+    streamed, snap = _cyclic_passes(window=1)
+    on_demand, _ = _cyclic_passes(window=None)
+    total, slots = 16, 6
+    assert snap["repeat_reads"] == 0
+    # the floor is (experts - slots) reads per pass; the window costs at most its size plus the computing slot
+    assert all(total - slots <= r <= total - slots + 2 for r in streamed), streamed
+    assert sum(streamed) < sum(on_demand), (streamed, on_demand)
+
+
+def test_read_ahead_never_evicts_what_the_next_layer_needs():
+    store = LayeredStore(num_layers=2, num_experts=4)
+    cache = ExpertCache(store, torch.device("cpu"), 6 * NUMEL * 4, "layer", OffloadStats(2, 0))
+    cache.begin_pass(None)
+    for layer in (0, 1):
+        list(cache.fetch(layer, [0, 1, 2]))                 # resident: (0, 0..2), (1, 0..2)
+    cache.begin_pass(2)
+    cache.read_ahead(1, [3])
+    for _ in cache.fetch(0, [0, 1, 2]):
+        pass
+    assert all((1, e) in cache.resident for e in range(4))  # (1, 3) came in without evicting (1, 0..2)
+
+
+@pytest.mark.parametrize("window", [1, 2, 4])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_batches_give_the_unpatched_tokens_within_budget(tiny_models, family, window):
+    ids, mask = token_inputs(8, 10, seed=5, left_pad=True)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = reference(family, tiny_models[family]).generate(ids, **kwargs)
+    model = offloaded(family, tiny_models[family], device="cpu", store="disk", expert_cache="50%")
+    engine = hf_moe_offload.get_engine(model)
+    planner = next(h for h in engine.hooks if isinstance(h, StreamPlanner))
+    planner.window = window
+    observed = []
+
+    class Budget(hf_moe_offload.LayerHook):
+        def on_pinned(self, layer):
+            observed.append(engine.cache.resident_bytes())
+
+        def on_layer_done(self, layer):
+            observed.append(engine.cache.resident_bytes())
+
+    engine.add_hook(Budget())
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    snap = hf_moe_offload.stats(model)
+    assert snap["passes"].get("stream", 0) > 0 and snap["last_schedule"] == "stream"
+    assert max(observed) <= engine.policy.expert_cache
+    assert snap["repeat_reads"] == 0
+    assert snap["bytes_to_device"] == (snap["misses"] + snap["prefetch_issued"]) * engine.store.slab_bytes(0)
+
+
+def test_batch_one_decode_stays_on_demand_after_a_streamed_prefill(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="34%")
+    ids, _ = token_inputs(1, 12, seed=6)
+    out = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(out, model_class("mixtral").from_pretrained(tiny_models["mixtral"]).generate(
+        ids, max_new_tokens=5, do_sample=False, pad_token_id=0))
+    passes = hf_moe_offload.stats(model)["passes"]
+    assert passes == {"stream": 1, "on_demand": 4}           # the 12-token prompt, then 4 one-token steps
+
+
+def test_a_disk_store_reads_one_expert_in_parallel_chunks_byte_exact(tmp_path, monkeypatch):
+    """Large experts are read by several threads in chunks; every byte lands where the slab layout says."""
+    from safetensors.torch import save_file
+
+    import hf_moe_offload.store as store_module
+    from hf_moe_offload.checkpoint import CheckpointIndex, read_header
+    from hf_moe_offload.layout import ExpertPiece, MoELayer
+
+    up, down = torch.randn(3, 40, 24), torch.randn(3, 24, 20)      # 3 experts, two parts of different sizes
+    save_file({"up": up, "down": down}, str(tmp_path / "experts.safetensors"))
+    index = CheckpointIndex(str(tmp_path), read_header(str(tmp_path / "experts.safetensors")))
+    layout = SlabLayout((("up", (40, 24)), ("down", (24, 20))))
+    layer = MoELayer(index=0, name="experts", module=torch.nn.Module(), num_experts=3, top_k=1, layout=layout)
+    pieces = [[[ExpertPiece("up", 0, index.locate("up", row=e)), ExpertPiece("down", 0, index.locate("down", row=e))]
+               for e in range(3)]]
+    monkeypatch.setattr(store_module, "READ_CHUNK_BYTES", 1000)    # 3840 + 1920 bytes: 6 chunks per expert
+    store = store_module.DiskStore([layer], pieces, torch.float32)
+    slab = torch.empty(layout.numel)
+    for e in range(3):
+        store.read_into(0, e, slab)
+        views = layout.views(slab)
+        assert torch.equal(views["up"], up[e]) and torch.equal(views["down"], down[e])
+    store.close()
