@@ -64,6 +64,9 @@ class ExpertCache:
         self.store, self.device, self.stats = store, device, stats
         self.eviction = eviction if isinstance(eviction, EvictionPolicy) else \
             make_eviction(eviction, num_layers=len(store.layouts))
+        # A streamed pass visits every layer in forward order, so what is needed furthest away is known: the
+        # layer-aware order, whatever policy serves the on-demand passes.
+        self.stream_eviction = make_eviction("layer", num_layers=len(store.layouts))
         self.zero_copy = device.type == "cpu" and store.in_host_memory
         self.slot_numel = max(lay.numel for lay in store.layouts)
         self.slot_bytes = self.slot_numel * store.dtype.itemsize
@@ -296,7 +299,8 @@ class ExpertCache:
         candidates = [k for k in self.recency if self._evictable(self.resident[k], speculative_for)]
         if not candidates:
             return None
-        return self.resident[self.eviction.choose(candidates, layer)]
+        policy = self.eviction if self.window is None else self.stream_eviction
+        return self.resident[policy.choose(candidates, layer)]
 
     def _evictable(self, slot: Slot, speculative_for: int | None) -> bool:
         if slot.pins or slot.load is not None:
