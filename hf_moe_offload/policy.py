@@ -88,8 +88,8 @@ class OffloadPolicy:
     eviction: str = field(
         default="layer",
         metadata={"help": 'Which resident expert leaves when a slot is needed: "lru", "lfu", or "layer" (the one '
-                          "whose layer comes up last in the forward order; best when decode cycles through layers). Streamed passes "
-                          "always evict in forward order."},
+                          "whose layer comes up last in the forward order; best when decode cycles through layers). "
+                          "Streamed passes always evict in forward order."},
     )
     prefetch: str = field(
         default="none",
