@@ -130,15 +130,10 @@ class ExpertCache:
         started = 0
         with self.lock:
             for e in experts:
-                key = (layer, e)
-                if key in self.resident:
+                if (layer, e) in self.resident:
                     continue
-                slot = self._free_slot(self.current_layer, speculative_for=layer)
-                if slot is None:
+                if not self._load_speculative((layer, e), readahead=False):
                     break
-                self._load(slot, key, demand=False)
-                slot.prefetched = True
-                self.stats.record_prefetch(layer, self.store.slab_bytes(layer))
                 started += 1
         return started
 
@@ -235,17 +230,23 @@ class ExpertCache:
         """Load queued next-layer experts into the window's remaining room, as prefetches."""
         room = (self.window or 0) - in_flight - sum(1 for slot in self.slots if slot.prefetched)
         while self.ahead and room > 0:
-            key = self.ahead.pop(0)
-            if key in self.resident:
+            if self.ahead[0] in self.resident:
+                self.ahead.pop(0)
                 continue
-            slot = self._free_slot(self.current_layer, speculative_for=key[0])
-            if slot is None:
-                self.ahead.insert(0, key)
+            if not self._load_speculative(self.ahead[0], readahead=True):
                 return
-            self._load(slot, key, demand=False)
-            slot.prefetched = True
-            self.stats.record_prefetch(key[0], self.store.slab_bytes(key[0]), readahead=True)
+            self.ahead.pop(0)
             room -= 1
+
+    def _load_speculative(self, key: Key, readahead: bool) -> bool:
+        """Start loading `key` before anyone asked for it, if a slot can be had without displacing a sure use."""
+        slot = self._free_slot(self.current_layer, speculative_for=key[0])
+        if slot is None:
+            return False
+        self._load(slot, key, demand=False)
+        slot.prefetched = True
+        self.stats.record_prefetch(key[0], self.store.slab_bytes(key[0]), readahead=readahead)
+        return True
 
     def _first_arrived(self, issued: list[Key], start: int) -> Key:
         """Of the issued keys not yet served (`issued[start:]`), the first whose load has landed, else the oldest;
