@@ -18,8 +18,8 @@ from typing import Any, TypedDict
 import psutil
 import torch
 
-from .policy import (AUTO, DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, OffloadPolicy, PolicyError, format_bytes,
-                     normalize_device, parse_size)
+from .policy import (AUTO, DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, DEFAULT_STREAM_WINDOW, OffloadPolicy,
+                     PolicyError, format_bytes, normalize_device, parse_size)
 
 logger = logging.getLogger(__name__)
 
@@ -162,8 +162,9 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
         raise PolicyError(f"expert_cache={format_bytes(cache)} is smaller than one layer's top-k working set: "
                           f"top_k={fp.top_k} x {format_bytes(fp.slab_bytes)} per expert = "
                           f"{format_bytes(fp.min_cache_bytes)}; use at least expert_cache={fp.min_cache_bytes}")
+    window = DEFAULT_STREAM_WINDOW if policy.stream_window == AUTO else policy.stream_window
     resolved = dataclasses.replace(policy, device=str(device), store=store, expert_cache=cache,
-                                   max_batch_size=batch, max_seq_len=seq_len)
+                                   max_batch_size=batch, max_seq_len=seq_len, stream_window=window)
     if auto_fields:
         logger.info("hf_moe_offload auto policy: device=%s store=%s%s expert_cache=%s (experts %s, resident part "
                     "%s, RAM available %s)", device, store, why_store, format_bytes(cache),

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from .hooks import LayerHook
 
-from .policy import AUTO, DEFAULT_STREAM_WINDOW
+from .policy import AUTO
 
 STREAM_SHARE = 0.5    # stream a pass expected to touch at least this share of a layer's experts
 
@@ -44,7 +44,7 @@ class StreamPlanner(LayerHook):
         policy = engine.policy
         self.cache, self.counters, self.share = engine.cache, engine.stats, share
         self.schedule = policy.schedule           # "auto", or forced "on_demand" / "stream"
-        self.window = DEFAULT_STREAM_WINDOW if policy.stream_window == AUTO else policy.stream_window
+        self.window = policy.stream_window       # concrete once the policy is resolved
         self.layers = {layer.index: layer for layer in engine.layers}
         stacks = [layer.name.split(".", 1)[0] for layer in engine.layers]   # Switch: "encoder" / "decoder"
         self.next_in_stack = {a.index: b.index for a, b, sa, sb in zip(engine.layers, engine.layers[1:], stacks,
