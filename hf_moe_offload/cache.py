@@ -81,6 +81,7 @@ class ExpertCache:
         self.recency: OrderedDict[Key, None] = OrderedDict()     # least recently used first
         self.lock = threading.RLock()
         self.window: int | None = None       # streaming: most loads in flight or landed-unused at once
+        self.ahead_room = 0                  # most read-ahead loads in flight or landed-unused at once
         self.ahead: list[Key] = []           # streaming: the next layer's experts to load, in order
         self.current_layer = 0               # the layer being computed (victims are chosen as seen from it)
         self._loaded_this_pass: set[Key] = set()
@@ -108,10 +109,12 @@ class ExpertCache:
         with self.lock:
             yield from self._fetch_locked(layer, experts, on_pinned)
 
-    def begin_pass(self, window: int | None) -> None:
-        """A forward pass starts: `window` bounds its loads in flight (None: no bound, on-demand schedule)."""
+    def begin_pass(self, window: int | None, ahead_room: int | None = None) -> None:
+        """A forward pass starts: `window` bounds its loads in flight (None: no bound, on-demand schedule);
+        `ahead_room` bounds its read-ahead (default: the window's room, none without a window)."""
         with self.lock:
             self.window, self.ahead = window, []
+            self.ahead_room = (window or 0) if ahead_room is None else ahead_room
             self._loaded_this_pass.clear()
 
     def read_ahead(self, layer: int, experts: Sequence[int]) -> None:
@@ -228,7 +231,8 @@ class ExpertCache:
 
     def _issue_ahead(self, in_flight: int) -> None:
         """Load queued next-layer experts into the window's remaining room, as prefetches."""
-        room = (self.window or 0) - in_flight - sum(1 for slot in self.slots if slot.prefetched)
+        demand = in_flight if self.window is not None else 0     # a streamed layer shares its window
+        room = self.ahead_room - demand - sum(1 for slot in self.slots if slot.prefetched)
         while self.ahead and room > 0:
             if self.ahead[0] in self.resident:
                 self.ahead.pop(0)

@@ -24,7 +24,7 @@ import torch
 AUTO = "auto"
 STORES = ("cpu", "disk")
 EVICTIONS = ("lru", "lfu", "layer")
-PREFETCHERS = ("none", "hash")
+PREFETCHERS = ("none", "hash", "lookahead")
 ROUTINGS = ("router", "predicted")
 SCHEDULES = ("auto", "on_demand", "stream")
 DEFAULT_STREAM_WINDOW = 2        # stream_window="auto"
@@ -93,8 +93,10 @@ class OffloadPolicy:
     )
     prefetch: str = field(
         default="none",
-        metadata={"help": '"none", or "hash": a SiDA hash predictor (see `predictor`) names each layer\'s experts '
-                          "before the forward reaches it, and they are loaded ahead. Exact: the router still decides."},
+        metadata={"help": '"none"; "hash": a SiDA hash predictor (see `predictor`) names each layer\'s experts '
+                          'before the forward reaches it, and they are loaded ahead; "lookahead": no training, the '
+                          "next layer's router applied to this layer's input names its top-k, read while this layer "
+                          "computes (streamed passes always do this). Exact: the router still decides."},
     )
     predictor: str | None = field(
         default=None,

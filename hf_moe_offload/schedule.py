@@ -44,6 +44,7 @@ class StreamPlanner(LayerHook):
         policy = engine.policy
         self.cache, self.counters, self.share = engine.cache, engine.stats, share
         self.schedule = policy.schedule           # "auto", or forced "on_demand" / "stream"
+        self.lookahead = policy.prefetch == "lookahead"   # read ahead in on-demand passes too
         self.window = policy.stream_window       # concrete once the policy is resolved
         self.layers = {layer.index: layer for layer in engine.layers}
         stacks = [layer.name.split(".", 1)[0] for layer in engine.layers]   # Switch: "encoder" / "decoder"
@@ -58,7 +59,7 @@ class StreamPlanner(LayerHook):
         if last is None or layer <= last or self.stack[layer] != self.stack[last]:
             self._begin_pass(layer, tokens=hidden_states.shape[0])
         self._local.last_layer = layer
-        if self._local.streaming:
+        if self._local.streaming or self.lookahead:
             nxt = self.next_in_stack.get(layer)
             if nxt is not None:
                 self.cache.read_ahead(nxt, self._likely_experts(nxt, hidden_states))
@@ -70,7 +71,10 @@ class StreamPlanner(LayerHook):
         else:
             streaming = self.schedule == "stream"
         self._local.streaming = streaming
-        self.cache.begin_pass(self.window if streaming else None)
+        if streaming:
+            self.cache.begin_pass(self.window)
+        else:   # on demand; with prefetch="lookahead", room for the next layer's top-k guesses
+            self.cache.begin_pass(None, ahead_room=moe.top_k if self.lookahead else 0)
         self.counters.record_pass("stream" if streaming else "on_demand")
 
     def _likely_experts(self, layer: int, hidden_states: torch.Tensor) -> list[int]:

@@ -135,3 +135,17 @@ def test_a_disk_store_reads_one_expert_in_parallel_chunks_byte_exact(tmp_path, m
         views = layout.views(slab)
         assert torch.equal(views["up"], up[e]) and torch.equal(views["down"], down[e])
     store.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "switch_transformers"])
+def test_lookahead_prefetch_in_on_demand_passes_is_exact_and_counted(tiny_models, family):
+    ids, _ = token_inputs(1, 6, seed=7)
+    kwargs = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = reference(family, tiny_models[family]).generate(ids, **kwargs)
+    model = offloaded(family, tiny_models[family], device="cpu", store="disk", expert_cache="50%",
+                      schedule="on_demand", prefetch="lookahead")
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    snap = hf_moe_offload.stats(model)
+    assert set(snap["passes"]) == {"on_demand"} and snap["readahead_issued"] > 0
+    assert snap["prefetch_hits"] + snap["prefetch_wasted"] <= snap["prefetch_issued"] == snap["readahead_issued"]
+    assert snap["peak_cache_bytes"] <= hf_moe_offload.get_engine(model).policy.expert_cache
