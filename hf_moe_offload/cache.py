@@ -372,15 +372,16 @@ class ExpertCache:
 
     def settle_stalls(self, block: bool = True) -> None:
         """Add the compute stream's measured waits to `stall_s` (CUDA; all of them when `block`, else those done)."""
-        pending = []
-        for layer, before, after in self._device_stalls:
-            if block:
-                after.synchronize()
-            if block or after.query():
-                self.stats.record_stall(layer, before.elapsed_time(after) / 1e3)
-            else:
-                pending.append((layer, before, after))
-        self._device_stalls = pending
+        with self.lock:   # re-entrant: `_wait` settles under it too
+            pending = []
+            for layer, before, after in self._device_stalls:
+                if block:
+                    after.synchronize()
+                if block or after.query():
+                    self.stats.record_stall(layer, before.elapsed_time(after) / 1e3)
+                else:
+                    pending.append((layer, before, after))
+            self._device_stalls = pending
 
     def _wait_quietly(self, slot: Slot) -> None:
         """`_wait` for cleanup paths and prefetches: a failure is logged, the slot freed, nothing raised (the

@@ -125,16 +125,14 @@ class OffloadEngine:
 
     def stats_snapshot(self) -> StatsSnapshot:
         """The cache's counters and every hook's (e.g. the predictor's timings); `reset()` zeroes them all."""
-        with self.cache.lock:
-            self.cache.settle_stalls()
+        self.cache.settle_stalls()
         data = dict(self.stats.snapshot())
         for hook in self.hooks:
             data.update(hook.stats())
         return StatsSnapshot(data, self.reset_stats)
 
     def reset_stats(self) -> None:
-        with self.cache.lock:
-            self.cache.settle_stalls()
+        self.cache.settle_stalls()
         self.stats.reset()
         for hook in self.hooks:
             hook.reset_stats()

@@ -27,6 +27,24 @@ def _generate(model, ids, tokens: int = 8) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=tokens, do_sample=False, pad_token_id=0)
 
 
+def _in_threads(work, count: int) -> list[BaseException]:
+    """Run `work(i)` for i in range(count), each in its own thread, at once; the errors they raised."""
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            work(i)
+        except BaseException as err:  # noqa: BLE001 - reported by the main thread
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
 # -- nothing silently lost ------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])
@@ -69,21 +87,13 @@ def test_concurrent_generate_gives_each_caller_its_own_tokens(tiny_models):
     prompts = [_ids(batch=1 + i % 2, seed=i) for i in range(4)]
     expected = [_generate(model, p, tokens=10) for p in prompts]
     results: dict[int, torch.Tensor] = {}
-    errors: list[BaseException] = []
 
     def run(i: int) -> None:
-        try:
-            for _ in range(3):
-                results[i] = _generate(model, prompts[i], tokens=10)
-                assert torch.equal(results[i], expected[i])
-        except BaseException as err:  # noqa: BLE001 - reported by the main thread
-            errors.append(err)
+        for _ in range(3):
+            results[i] = _generate(model, prompts[i], tokens=10)
+            assert torch.equal(results[i], expected[i])
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _in_threads(run, 4)
     assert not errors, errors
     assert all(torch.equal(results[i], expected[i]) for i in range(4))
 
@@ -96,22 +106,15 @@ def test_concurrent_loads_leave_transformers_unpatched(tiny_models):
 
     originals = (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy, modeling_utils.safe_open,
                  PreTrainedModel.tie_weights, PreTrainedModel.init_weights)   # the last two transformers swaps itself
-    models, errors = [], []
+    models = []
 
     def load(i: int) -> None:
-        try:
-            if i % 3 == 2:   # an ordinary load beside the offloaded ones
-                models.append(reference("mixtral", tiny_models["mixtral"]))
-            else:
-                models.append(offloaded("mixtral", tiny_models["mixtral"], **DISK))
-        except BaseException as err:  # noqa: BLE001
-            errors.append(err)
+        if i % 3 == 2:   # an ordinary load beside the offloaded ones
+            models.append(reference("mixtral", tiny_models["mixtral"]))
+        else:
+            models.append(offloaded("mixtral", tiny_models["mixtral"], **DISK))
 
-    threads = [threading.Thread(target=load, args=(i,)) for i in range(6)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    errors = _in_threads(load, 6)
     assert not errors, errors
     assert (modeling_utils.accelerate_dispatch, core_model_loading._materialize_copy, modeling_utils.safe_open,
             PreTrainedModel.tie_weights, PreTrainedModel.init_weights) == originals
