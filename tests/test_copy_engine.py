@@ -72,8 +72,16 @@ def _disk_store(folder, num_layers: int = 3, num_experts: int = 4, file_dtype=to
     return DiskStore(layers, pieces, dtype)
 
 
-def _open_fds() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_fds(under) -> int:
+    """Open file descriptors of this process on files below `under` (other tests' threads may open and close their
+    own files meanwhile, so a process-wide count would not be this store's)."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(str(under))
+        except OSError:                      # closed between listing and reading
+            pass
+    return count
 
 
 # -- failures ---------------------------------------------------------------------------------------------------
@@ -124,30 +132,30 @@ def test_a_disk_store_dropped_without_close_closes_its_files(tmp_path):
     """A model dropped without disable() used to leak one fd per shard: the store's finalizer closes them."""
     store = _disk_store(tmp_path, num_layers=3)
     gc.collect()                                         # objects of earlier tests close their files now, not below
-    before = _open_fds()
+    before = _open_fds(tmp_path)
     dst = torch.empty(NUMEL)
     for layer in range(3):
         store.read_into(layer, 1, dst)
         assert torch.all(dst == 100 * layer + 1)
-    assert _open_fds() == before + 3
+    assert _open_fds(tmp_path) == before + 3
     del store
     gc.collect()
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == before
 
 
 def test_a_closed_disk_store_reopens_its_files_and_still_closes_them_when_dropped(tmp_path):
     store = _disk_store(tmp_path, num_layers=2)
     gc.collect()
-    before = _open_fds()
+    before = _open_fds(tmp_path)
     dst = torch.empty(NUMEL)
     store.read_into(0, 3, dst)
     store.close()
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == before
     store.read_into(1, 3, dst)
-    assert torch.all(dst == 103) and _open_fds() == before + 1
+    assert torch.all(dst == 103) and _open_fds(tmp_path) == before + 1
     del store
     gc.collect()
-    assert _open_fds() == before
+    assert _open_fds(tmp_path) == before
 
 
 def test_reader_threads_end_when_the_engine_is_dropped_without_close():

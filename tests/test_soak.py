@@ -17,8 +17,16 @@ from hf_moe_offload.store import CHUNK_READERS
 DISK = {"device": "cpu", "store": "disk", "expert_cache": "34%"}
 
 
-def _open_files() -> int:
-    return len(os.listdir("/proc/self/fd"))
+def _open_files(under: str) -> int:
+    """Open file descriptors on files below `under` (the checkpoint: the only files the library opens). Counted
+    per path, not process-wide: threads left by other tests may open and close their own files meanwhile."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}").startswith(under)
+        except OSError:                      # closed between listing and reading
+            pass
+    return count
 
 
 def _rss_bytes() -> int:
@@ -26,9 +34,9 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def _settle() -> tuple[int, int, int]:
+def _settle(checkpoint: str) -> tuple[int, int, int]:
     gc.collect()
-    return _rss_bytes(), threading.active_count(), _open_files()
+    return _rss_bytes(), threading.active_count(), _open_files(checkpoint)
 
 
 def test_ten_thousand_tokens_keep_rss_threads_and_open_files_flat(tiny_models):
@@ -37,11 +45,11 @@ def test_ten_thousand_tokens_keep_rss_threads_and_open_files_flat(tiny_models):
     kwargs = dict(max_new_tokens=100, min_new_tokens=100, do_sample=False, pad_token_id=0)
     for _ in range(5):                                     # warm-up: allocator pools, thread pools, open shards
         model.generate(ids, **kwargs)
-    rss, threads, files = _settle()
+    rss, threads, files = _settle(tiny_models["mixtral"])
     generated = 0
     for _ in range(100):
         generated += model.generate(ids, **kwargs).shape[1] - ids.shape[1]
-    rss_after, threads_after, files_after = _settle()
+    rss_after, threads_after, files_after = _settle(tiny_models["mixtral"])
     assert generated == 10_000
     # Bounded, not growing with tokens: the reader pools start threads lazily, up to their fixed sizes, so one may
     # start after the warm-up; a leak would add threads per generate (100 here). Earlier tests' dropped models may
@@ -53,12 +61,12 @@ def test_ten_thousand_tokens_keep_rss_threads_and_open_files_flat(tiny_models):
 
 def test_models_dropped_without_disable_give_back_files_and_threads(tiny_models):
     ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(1))
-    _, threads, files = _settle()
+    _, threads, files = _settle(tiny_models["mixtral"])
     for _ in range(10):
         model = offloaded("mixtral", tiny_models["mixtral"], **DISK)
         model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)   # opens shards, starts readers
         del model
-    _, threads_after, files_after = _settle()
+    _, threads_after, files_after = _settle(tiny_models["mixtral"])
     for _ in range(100):                     # a collected pool's threads exit shortly after it, not at once
         if threads_after <= threads:
             break
