@@ -40,7 +40,7 @@ def _run(cache: ExpertCache, experts: list[int]) -> list[int]:
 
 def test_resident_experts_come_first_and_hits_are_counted():
     cache, store = _cache(slots=3)
-    assert _run(cache, [0, 1]) == [0, 1]
+    assert sorted(_run(cache, [0, 1])) == [0, 1]  # both missing: served as their loads land
     assert _run(cache, [4, 1]) == [1, 4]     # 1 is resident: computed while 4 loads
     snap = cache.stats.snapshot()
     assert (snap["hits"], snap["misses"]) == (1, 3)
@@ -84,11 +84,11 @@ def test_more_experts_than_slots_runs_in_waves_without_evicting_pinned():
 def test_an_expert_in_use_is_never_evicted():
     cache, store = _cache(slots=2)
     gen = cache.fetch(0, [0, 1, 2])
-    e, slab = next(gen)                        # expert 0 is being computed now
-    assert (0, 0) in cache.resident and cache.resident[(0, 0)].pins == 1
-    assert torch.all(slab == 0)
+    first, slab = next(gen)                    # expert 0 or 1, whichever landed first, is being computed now
+    assert (0, first) in cache.resident and cache.resident[(0, first)].pins == 1
+    assert torch.all(slab == first)
     rest = [e for e, _ in gen]
-    assert rest == [1, 2]
+    assert sorted([first, *rest]) == [0, 1, 2]
 
 
 def test_stats_reset():
@@ -143,7 +143,7 @@ def test_cpu_store_holds_each_expert_in_one_contiguous_slab(tiny_models):
 def test_prefetch_fills_free_slots_and_turns_misses_into_hits():
     cache, store = _cache(slots=3)
     assert cache.prefetch(0, [2, 4]) == 2
-    assert _run(cache, [4, 1]) == [4, 1]       # 4 arrived by prefetch, 1 on demand
+    assert sorted(_run(cache, [4, 1])) == [1, 4]   # 4 arrived by prefetch, 1 on demand
     snap = cache.stats.snapshot()
     assert (snap["hits"], snap["misses"], snap["prefetch_issued"], snap["prefetch_hits"]) == (1, 1, 2, 1)
     assert snap["bytes_to_device"] == (snap["misses"] + snap["prefetch_issued"]) * 64
