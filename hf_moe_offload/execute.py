@@ -38,6 +38,20 @@ def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, 
     return rows
 
 
+def expert_linear(x: torch.Tensor, weight) -> torch.Tensor:
+    """`F.linear(x, weight)` for a dense weight; a quantized weight (`hf_moe_offload.quantize`) runs its own
+    matmul (or dequantizes) where it lives."""
+    if isinstance(weight, torch.Tensor):
+        return F.linear(x, weight)
+    return weight.linear(x)
+
+
+def weights_device(weights: dict) -> torch.device:
+    """Where an expert's weights are: the compute device, or the host for an expert computed on the CPU
+    (`expert_compute="cpu"`/`"auto"`); its tokens go there and its output comes back."""
+    return next(iter(weights.values())).device
+
+
 class _NoBackwardThroughOffloadedExperts(torch.autograd.Function):
     """Identity in the forward; its backward refuses, with the reason, instead of returning wrong gradients (the
     cache slots the forward read are reused by later layers, and the experts have no parameters to update)."""
@@ -90,8 +104,9 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
         for expert, weights in fetched:
             rows = rows_of[expert]                                # [n] rows of this expert
             x = hidden_states[rows // k]                          # [n, H]
-            h = self._apply_gate(F.linear(x, weights["gate_up"]))  # [n, I]
-            y = F.linear(h, weights["down"])                      # [n, H]
+            where = weights_device(weights)
+            h = self._apply_gate(expert_linear(x.to(where), weights["gate_up"]))   # [n, I]
+            y = expert_linear(h, weights["down"]).to(weighted.device)             # [n, H]
             weighted[rows] = y * flat_weights[rows, None]
         out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)   # [T, H]
     return _refuse_backward(out, hidden_states)
@@ -121,9 +136,10 @@ class OffloadedSwitchExperts(nn.Module):
             out = torch.zeros_like(hidden_states)
             for expert, weights in fetched:
                 tokens = tokens_of[expert]                        # [n]
-                h = self.act(F.linear(hidden_states[tokens], weights["wi"]))       # [n, F]
+                where = weights_device(weights)
+                h = self.act(expert_linear(hidden_states[tokens].to(where), weights["wi"]))   # [n, F]
                 if h.dtype != weights["wo"].dtype:
                     h = h.to(weights["wo"].dtype)
-                y = F.linear(h, weights["wo"]) * routing_weights[tokens, 0, None]  # [n, H]
+                y = expert_linear(h, weights["wo"]).to(out.device) * routing_weights[tokens, 0, None]  # [n, H]
                 out.index_add_(0, tokens, y.to(hidden_states.dtype))
         return _refuse_backward(out, hidden_states)

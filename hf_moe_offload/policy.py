@@ -23,8 +23,11 @@ import torch
 
 AUTO = "auto"
 STORES = ("cpu", "disk")
-EVICTIONS = ("lru", "lfu", "layer")
+EVICTIONS = ("lru", "lfu", "layer", "lookahead")
 PREFETCHERS = ("none", "hash", "lookahead")
+QUANTIZATIONS = ("none", "int8", "int4")
+EXPERT_COMPUTES = ("device", "cpu", "auto")
+DEFAULT_INT4_GROUP_SIZE = 64     # quant_group_size="auto" for int4 (int8 is scaled per output channel)
 ROUTINGS = ("router", "predicted")
 SCHEDULES = ("auto", "on_demand", "stream")
 DEFAULT_STREAM_WINDOW = 2        # stream_window="auto"
@@ -133,6 +136,32 @@ class OffloadPolicy:
                           f'experts); "auto": {DEFAULT_STREAM_WINDOW}.'},
     )
 
+    quantize: str = field(
+        default="none",
+        metadata={"help": 'Experts stored, moved and computed quantized (approximate, opt-in): "none" (exact), '
+                          '"int8" (one scale per output channel) or "int4" (one scale and zero per group of '
+                          "quant_group_size input weights). Fewer bytes per expert: more experts fit the cache and "
+                          "each miss reads less."},
+    )
+    quant_group_size: int | str = field(
+        default=AUTO,
+        metadata={"help": f'Input weights sharing one int4 scale: 32, 64, 128 or 256; "auto": '
+                          f"{DEFAULT_INT4_GROUP_SIZE}."},
+    )
+    expert_compute: str = field(
+        default="device",
+        metadata={"help": 'Where an expert that is not resident on the device computes: "device" (copy it there), '
+                          '"cpu" (compute it from the host copy, only the tokens move; Fiddler, llama.cpp '
+                          '--cpu-moe) or "auto" (per expert and step, whichever the measured bandwidth and CPU '
+                          "throughput say is faster: few tokens on the CPU, many copied)."},
+    )
+    resident_layers: int | str = field(
+        default=0,
+        metadata={"help": "The experts of the first N MoE layers stay on the device for the whole run and are "
+                          "never evicted (llama.cpp's split; with expert_compute='cpu' the other layers compute on "
+                          "the CPU); 0: none."},
+    )
+
     @classmethod
     def from_any(cls, value: "OffloadPolicy | Mapping[str, Any] | str | None") -> "OffloadPolicy":
         """Build a validated policy from a policy, a dict of fields, a preset name, or a JSON object string."""
@@ -172,6 +201,22 @@ class OffloadPolicy:
         self.stream_window = parse_count("stream_window", self.stream_window)
         if self.prefetch not in PREFETCHERS:
             raise PolicyError(f"prefetch={self.prefetch!r} is not allowed; allowed: {list(PREFETCHERS)}")
+        if self.quantize not in QUANTIZATIONS:
+            raise PolicyError(f"quantize={self.quantize!r} is not allowed; allowed: {list(QUANTIZATIONS)}")
+        self.quant_group_size = parse_count("quant_group_size", self.quant_group_size)
+        if self.quant_group_size not in (AUTO, 32, 64, 128, 256):
+            raise PolicyError(f"quant_group_size={self.quant_group_size!r} is not allowed; allowed: 32, 64, 128, "
+                              f"256 or 'auto' ({DEFAULT_INT4_GROUP_SIZE})")
+        if self.expert_compute not in EXPERT_COMPUTES:
+            raise PolicyError(f"expert_compute={self.expert_compute!r} is not allowed; allowed: "
+                              f"{list(EXPERT_COMPUTES)}")
+        layers = self.resident_layers
+        if isinstance(layers, str) and re.fullmatch(r"\s*[0-9]+\s*", layers):
+            layers = int(layers)
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise PolicyError(f"resident_layers={self.resident_layers!r} is not allowed; allowed: a whole number "
+                              f">= 0 (0: no layer's experts pinned on the device)")
+        self.resident_layers = layers
         if self.routing not in ROUTINGS:
             raise PolicyError(f"routing={self.routing!r} is not allowed; allowed: {list(ROUTINGS)}")
         needs_predictor = [f"{name}={value!r}" for name, value in (("prefetch", self.prefetch),
