@@ -3,6 +3,10 @@
 Each policy sees the candidates (unpinned, landed experts) in least-recently-used order and the layer that needs
 the slot; it may also track uses. `make_eviction(name, num_layers)` builds one from the policy's `eviction` field.
 
+`LookAhead` ("lookahead") also takes what is known of the future: `predict(layer, experts)` (the next routers
+applied to the current hidden state: experts of a coming layer this very pass will use) and `observe(layer,
+experts)` (what the router chose: likely again at the next step). `schedule.StreamPlanner` feeds both.
+
 Example:
     >>> policy = make_eviction("layer", num_layers=4)
     >>> policy.choose([(0, 1), (2, 5), (3, 0)], layer=2)   # layer 2 comes up again last: evict from it
@@ -59,12 +63,61 @@ class LayerAware(EvictionPolicy):
         return max(candidates, key=lambda k: (k[0] - layer - 1) % self.num_layers)
 
 
+class LookAhead(LayerAware):
+    """Evict the expert whose next use is predicted furthest away, in layer-steps from the layer computing now.
+
+    The first chance expert (j, e) has to be used is j's next turn, `d0 = (j - layer - 1) % L` layers away (this
+    pass for a later layer, the next step for this or an earlier one: the layer-aware distance). It is predicted to
+    be used then if the next routers applied to the current hidden state named it (a later layer of this pass,
+    `predict`), or, where no such guess exists, if the router chose it at layer j's last turn (`observe`): routing
+    at one step is the best guess for the next. Otherwise its next use is at least a whole step later:
+    `d0 + L`. The largest distance leaves; among equals the least recently used (candidates come LRU first).
+
+    Example:
+        >>> policy = LookAhead(num_layers=4)
+        >>> policy.observe(2, [5]); policy.observe(3, [0])     # last step: layer 2 used 5, layer 3 used 0
+        >>> policy.predict(3, [1])                             # this pass's layer 3 router guess (from layer 1)
+        >>> policy.choose([(2, 5), (3, 0)], layer=1)           # (3, 0): not guessed, next use a step later
+        (3, 0)
+    """
+
+    name = "lookahead"
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(num_layers)
+        self.guessed: dict[int, frozenset[int]] = {}   # layer -> experts the look-ahead guessed for its next turn
+        self.recent: dict[int, frozenset[int]] = {}    # layer -> experts its router chose at its last turn
+
+    def predict(self, layer: int, experts) -> None:
+        """The look-ahead guesses `experts` for `layer`'s next turn (a later layer of the current pass)."""
+        self.guessed[layer] = frozenset(int(e) for e in experts)
+
+    def observe(self, layer: int, experts) -> None:
+        """`layer`'s router chose `experts`: its guess is spent, and they are the guess for its next turn."""
+        self.guessed.pop(layer, None)
+        self.recent[layer] = frozenset(int(e) for e in experts)
+
+    def distance(self, key: Key, layer: int) -> int:
+        """Predicted layer-steps until `key` is next used, as seen while `layer` computes."""
+        j, e = key
+        first = (j - layer - 1) % self.num_layers
+        guess = self.guessed.get(j)
+        if guess is None:
+            guess = self.recent.get(j, frozenset())
+        return first if e in guess else first + self.num_layers
+
+    def choose(self, candidates: Sequence[Key], layer: int) -> Key:
+        return max(candidates, key=lambda k: self.distance(k, layer))   # max keeps the first (least recent) of ties
+
+
 def make_eviction(name: str, num_layers: int) -> EvictionPolicy:
-    """The policy called `name` ("lru", "lfu" or "layer")."""
+    """The policy called `name` ("lru", "lfu", "layer" or "lookahead")."""
     if name == "lru":
         return EvictionPolicy()
     if name == "lfu":
         return LeastFrequentlyUsed()
     if name == "layer":
         return LayerAware(num_layers)
-    raise ValueError(f"eviction={name!r} is not allowed; allowed: ['lru', 'lfu', 'layer']")
+    if name == "lookahead":
+        return LookAhead(num_layers)
+    raise ValueError(f"eviction={name!r} is not allowed; allowed: ['lru', 'lfu', 'layer', 'lookahead']")

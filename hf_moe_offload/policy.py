@@ -24,7 +24,7 @@ import torch
 AUTO = "auto"
 STORES = ("cpu", "disk")
 EVICTIONS = ("lru", "lfu", "layer", "lookahead")
-PREFETCHERS = ("none", "hash", "lookahead")
+PREFETCHERS = ("auto", "none", "hash", "lookahead")
 QUANTIZATIONS = ("none", "int8", "int4")
 EXPERT_COMPUTES = ("device", "cpu", "auto")
 DEFAULT_INT4_GROUP_SIZE = 64     # quant_group_size="auto" for int4 (int8 is scaled per output channel)
@@ -90,16 +90,20 @@ class OffloadPolicy:
     )
     eviction: str = field(
         default="layer",
-        metadata={"help": 'Which resident expert leaves when a slot is needed: "lru", "lfu", or "layer" (the one '
-                          "whose layer comes up last in the forward order; best when decode cycles through layers). "
+        metadata={"help": 'Which resident expert leaves when a slot is needed: "lru", "lfu", "layer" (the one '
+                          "whose layer comes up last in the forward order; best when decode cycles through layers), "
+                          'or "lookahead" (the one whose next use is predicted furthest away: the next routers '
+                          "applied to the current input for this pass, the last step's routing for the next). "
                           "Streamed passes always evict in forward order."},
     )
     prefetch: str = field(
-        default="none",
-        metadata={"help": '"none"; "hash": a SiDA hash predictor (see `predictor`) names each layer\'s experts '
-                          'before the forward reaches it, and they are loaded ahead; "lookahead": no training, the '
-                          "next layer's router applied to this layer's input names its top-k, read while this layer "
-                          "computes (streamed passes always do this). Exact: the router still decides."},
+        default=AUTO,
+        metadata={"help": '"auto" (default): in few-token passes, read the next layer\'s router look-ahead guesses '
+                          "ahead only while their measured precision is above the break-even (wasted reads cost "
+                          'bytes); "none"; "hash": a SiDA hash predictor (see `predictor`) names each layer\'s experts '
+                          'before the forward reaches it, and they are loaded ahead; "lookahead": always read the '
+                          "next layer's router guesses (its top-k on this layer's input) while this layer computes. "
+                          "Streamed passes always read ahead. Exact: the router still decides."},
     )
     predictor: str | None = field(
         default=None,

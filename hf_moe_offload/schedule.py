@@ -13,6 +13,11 @@ pipeline, FlexGen's block schedule, brought to the per-expert cache).
 The choice is per pass and visible in `hf_moe_offload.stats(model)["passes"]` and `["last_schedule"]`;
 `repeat_reads` counts experts read twice in one pass.
 
+In on-demand passes, router look-ahead reads depend on `prefetch`: "lookahead" always reads the next layer's top-k
+guesses; "auto" (the default) reads them only while they pay, as `LookaheadGate` measures; "none" and "hash" never
+(the hash prefetcher has its own table). With `eviction="lookahead"` the same guesses, for the next two layers,
+tell the eviction policy which experts this pass will still use.
+
 Example:
     >>> round(expected_experts(tokens=1, num_experts=8, top_k=2), 2), round(expected_experts(8, 8, 2), 2)
     (2.0, 7.2)
@@ -21,15 +26,18 @@ Example:
 from __future__ import annotations
 
 import threading
+from collections import deque
 
 import torch
 import torch.nn.functional as F
 
+from .eviction import LookAhead
 from .hooks import LayerHook
 
 from .policy import AUTO
 
 STREAM_SHARE = 0.5    # stream a pass expected to touch at least this share of a layer's experts
+EVICTION_LOOKAHEAD_LAYERS = 2   # eviction="lookahead": the routers of this many next layers guess this pass's uses
 
 
 def expected_experts(tokens: int, num_experts: int, top_k: int) -> float:
@@ -37,14 +45,82 @@ def expected_experts(tokens: int, num_experts: int, top_k: int) -> float:
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
 
 
+class LookaheadGate:
+    """`prefetch="auto"`'s rule: read the next layer's guessed experts ahead only while that pays.
+
+    Every on-demand pass guesses, whether or not it reads: the next layer's router on this layer's input names its
+    top-k, and the guesses that are not resident (what a read-ahead would read) are scored against what the router
+    then chose. So the precision is measured all the time, also while reading is off, and reading comes back as
+    soon as the guesses get good, without a probe that costs bytes.
+
+    Break-even, per read-ahead of one expert taking `t` on the link:
+    - a used guess was going to be read anyway, as a demand miss of the next layer; reading it early hides at most
+      the part of that read the demand path leaves exposed: it saves `hit_saves * t` (`hit_saves` <= 1; 1 assumes
+      the whole read would have stalled, the most favourable case for look-ahead);
+    - a wasted guess costs its own read, `t`, on the same link as the demand reads after it, and takes a slot
+      whose resident expert is then read again with about the cache's hit rate `h`: `(1 + h) * t`.
+    It pays when `p * hit_saves > (1 - p) * (1 + h)`, i.e. precision `p > (1 + h) / (1 + h + hit_saves)`: at
+    least 1/2, about 0.57 at a 30% hit rate. The precision and `h` are measured over the last `window` guesses
+    (h over the routed experts that were not guessed, so the look-ahead's own loads do not inflate it); reading
+    starts once `min_guesses` are scored and precision is above the break-even, and stops when it falls
+    `hysteresis` below it.
+
+    Example:
+        >>> gate = LookaheadGate(window=8, min_guesses=4)
+        >>> for _ in range(4): gate.record(guessed=2, used=2, routed_resident=0, routed_other=0)
+        >>> gate.on, gate.precision
+        (True, 1.0)
+        >>> for _ in range(4): gate.record(guessed=2, used=0, routed_resident=1, routed_other=1)
+        >>> gate.on, gate.precision, round(gate.break_even, 3)
+        (False, 0.0, 0.6)
+    """
+
+    def __init__(self, window: int = 64, min_guesses: int = 16, hit_saves: float = 1.0, hysteresis: float = 0.05):
+        if not 0 < hit_saves <= 1:
+            raise ValueError(f"hit_saves={hit_saves!r} is not allowed; allowed: a share of one read in (0, 1]")
+        self.window, self.min_guesses, self.hit_saves, self.hysteresis = window, min_guesses, hit_saves, hysteresis
+        self.guesses: deque[bool] = deque(maxlen=window)      # per non-resident guess: did the router choose it
+        self.routed: deque[bool] = deque(maxlen=window)       # per routed, unguessed expert: was it resident
+        self.on = False
+
+    @property
+    def precision(self) -> float | None:
+        return sum(self.guesses) / len(self.guesses) if self.guesses else None
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.routed) / len(self.routed) if self.routed else 0.0
+
+    @property
+    def break_even(self) -> float:
+        h = self.hit_rate
+        return (1.0 + h) / (1.0 + h + self.hit_saves)
+
+    def record(self, guessed: int, used: int, routed_resident: int, routed_other: int) -> None:
+        """One layer's turn: `used` of `guessed` non-resident guesses were chosen by its router; of the routed
+        experts that were not guessed, `routed_resident` were resident and `routed_other` were not."""
+        self.guesses.extend([True] * used + [False] * (guessed - used))
+        self.routed.extend([True] * routed_resident + [False] * routed_other)
+        if len(self.guesses) < self.min_guesses:
+            return
+        precision, break_even = self.precision, self.break_even
+        if precision >= break_even:
+            self.on = True
+        elif precision < break_even - self.hysteresis:
+            self.on = False
+
+
 class StreamPlanner(LayerHook):
     """Picks the schedule at each pass's first MoE layer and feeds the cache's read-ahead queue while streaming."""
 
-    def __init__(self, engine, share: float = STREAM_SHARE):
+    def __init__(self, engine, share: float = STREAM_SHARE, gate: LookaheadGate | None = None):
         policy = engine.policy
         self.cache, self.counters, self.share = engine.cache, engine.stats, share
         self.schedule = policy.schedule           # "auto", or forced "on_demand" / "stream"
-        self.lookahead = policy.prefetch == "lookahead"   # read ahead in on-demand passes too
+        self.prefetch = policy.prefetch           # "lookahead": always read ahead on demand; "auto": while it pays
+        self.gate = (gate or LookaheadGate()) if self.prefetch == AUTO else None
+        eviction = engine.cache.eviction
+        self.eviction = eviction if isinstance(eviction, LookAhead) else None   # fed this pass's guesses
         self.window = policy.stream_window       # concrete once the policy is resolved
         self.layers = {layer.index: layer for layer in engine.layers}
         stacks = [layer.name.split(".", 1)[0] for layer in engine.layers]   # Switch: "encoder" / "decoder"
@@ -53,16 +129,60 @@ class StreamPlanner(LayerHook):
         self.stack = dict(zip(self.layers, stacks))
         self.router_weights = {layer.index: engine.arch.router_weight(engine.model, layer) for layer in engine.layers}
         self._local = threading.local()      # each generating thread's position in its own pass
+        self._publish()
+
+    @property
+    def reading_ahead(self) -> bool:
+        """Whether on-demand passes read the next layer's guesses now."""
+        return self.prefetch == "lookahead" or (self.gate is not None and self.gate.on)
 
     def before_experts(self, layer: int, hidden_states: torch.Tensor) -> None:
         last = getattr(self._local, "last_layer", None)
         if last is None or layer <= last or self.stack[layer] != self.stack[last]:
             self._begin_pass(layer, tokens=hidden_states.shape[0])
         self._local.last_layer = layer
-        if self._local.streaming or self.lookahead:
-            nxt = self.next_in_stack.get(layer)
-            if nxt is not None:
-                self.cache.read_ahead(nxt, self._likely_experts(nxt, hidden_states))
+        nxt = self.next_in_stack.get(layer)
+        if nxt is None:
+            return
+        streaming = self._local.streaming
+        read = streaming or self._local.reading
+        score = self.gate is not None and not streaming
+        if not (read or score or self.eviction is not None):
+            return
+        likely = self.likely_experts(nxt, hidden_states)
+        if read:
+            self.cache.read_ahead(nxt, likely)
+        if score:   # what a read-ahead would read: the first top-k guesses that are not resident
+            top_k = self.layers[nxt].top_k
+            self._local.guesses[nxt] = {e for e in likely[:top_k] if (nxt, e) not in self.cache.resident}
+        if self.eviction is not None:
+            self.eviction.predict(nxt, likely)
+            after = nxt
+            for _ in range(EVICTION_LOOKAHEAD_LAYERS - 1):
+                after = self.next_in_stack.get(after)
+                if after is None:
+                    break
+                self.eviction.predict(after, self.likely_experts(after, hidden_states))
+
+    def on_route(self, layer: int, experts) -> None:
+        if self.eviction is not None:
+            self.eviction.observe(layer, experts)
+        guesses = getattr(self._local, "guesses", {}).pop(layer, None)
+        if guesses is None:
+            return
+        routed = {int(e) for e in experts}
+        others = routed - guesses
+        resident = sum(1 for e in others if (layer, e) in self.cache.resident)
+        used = len(guesses & routed)
+        self.gate.record(len(guesses), used, resident, len(others) - resident)
+        self.counters.record_lookahead(layer, len(guesses), used)
+        self._publish()
+
+    def _publish(self) -> None:
+        if self.gate is None:
+            self.counters.set_lookahead(self.prefetch == "lookahead", None, None)
+        else:
+            self.counters.set_lookahead(self.gate.on, self.gate.precision, self.gate.break_even)
 
     def _begin_pass(self, layer: int, tokens: int) -> None:
         moe = self.layers[layer]
@@ -71,13 +191,15 @@ class StreamPlanner(LayerHook):
         else:
             streaming = self.schedule == "stream"
         self._local.streaming = streaming
+        self._local.reading = not streaming and self.reading_ahead   # decided once per pass: room and reads agree
+        self._local.guesses = {}
         if streaming:
             self.cache.begin_pass(self.window)
-        else:   # on demand; with prefetch="lookahead", room for the next layer's top-k guesses
-            self.cache.begin_pass(None, ahead_room=moe.top_k if self.lookahead else 0)
+        else:   # on demand; while reading ahead, room for the next layer's top-k guesses
+            self.cache.begin_pass(None, ahead_room=moe.top_k if self._local.reading else 0)
         self.counters.record_pass("stream" if streaming else "on_demand")
 
-    def _likely_experts(self, layer: int, hidden_states: torch.Tensor) -> list[int]:
+    def likely_experts(self, layer: int, hidden_states: torch.Tensor) -> list[int]:
         """Layer `layer`'s router applied to these hidden states: experts any token would pick, most-routed first."""
         weight = self.router_weights[layer]
         num_experts = self.layers[layer].num_experts

@@ -3,9 +3,17 @@
 - `bytes_to_device`: demand misses plus prefetches, each one expert slab;
 - `stall_s`: how long compute waited for experts to arrive: host time on the CPU; on a GPU, the compute stream's
   own waits, timed by CUDA events (the host does not block there);
+- `cpu_computed` / `cpu_compute_s` / `cpu_bytes_read` (`expert_compute`): experts computed on the CPU instead of
+  copied, their CPU time, and the disk bytes read into host buffers for them (`hits + misses + cpu_computed ==
+  experts_used`); with "auto" also the decision's measured inputs (`h2d_bytes_per_s`, `host_bytes_per_s`,
+  `cpu_flops`, `cpu_expert_s` per token bucket);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those
   the router then used, those evicted unused; `readahead_issued`: the read-ahead's share of `prefetch_issued`;
 - `repeat_reads`: experts read more than once within one forward pass;
+- `lookahead_guesses` / `lookahead_used`: router look-ahead guesses of a later layer's experts that were not resident
+  (what a read-ahead would read) and those its router then chose, counted in on-demand passes whether or not they
+  were read; `lookahead_on`, `lookahead_precision` (recent used / guessed) and `lookahead_break_even`: the state of
+  `prefetch="auto"`'s rule (schedule.py), which reads ahead only while the precision is above the break-even;
 - `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape).
 
 Example:
@@ -23,7 +31,9 @@ import threading
 from typing import Callable
 
 PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "experts_used",
-             "prefetch_issued", "prefetch_hits", "prefetch_wasted", "readahead_issued", "repeat_reads")
+             "cpu_computed", "cpu_compute_s", "cpu_bytes_read",
+             "prefetch_issued", "prefetch_hits", "prefetch_wasted", "readahead_issued", "repeat_reads",
+             "lookahead_guesses", "lookahead_used")
 
 
 class StatsSnapshot(dict):
@@ -44,7 +54,12 @@ class OffloadStats:
         self.num_layers = num_layers
         self.capacity_bytes = capacity_bytes   # set by the cache from its slots
         self._lock = threading.Lock()
+        self.placement: Callable[[], dict] | None = None   # expert_compute="auto": its measured inputs
         self.resident_bytes = 0
+        # The look-ahead rule's state is the engine's, not a counter: reset() leaves it.
+        self.lookahead_on = False
+        self.lookahead_precision: float | None = None
+        self.lookahead_break_even: float | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -84,6 +99,16 @@ class OffloadStats:
         with self._lock:
             self.layer["repeat_reads"][layer] += 1
 
+    def record_lookahead(self, layer: int, guessed: int, used: int) -> None:
+        """`guessed` non-resident look-ahead guesses for `layer`, of which its router chose `used`."""
+        with self._lock:
+            self.layer["lookahead_guesses"][layer] += guessed
+            self.layer["lookahead_used"][layer] += used
+
+    def set_lookahead(self, on: bool, precision: float | None, break_even: float | None) -> None:
+        with self._lock:
+            self.lookahead_on, self.lookahead_precision, self.lookahead_break_even = on, precision, break_even
+
     def record_pass(self, schedule: str) -> None:
         with self._lock:
             self.passes[schedule] = self.passes.get(schedule, 0) + 1
@@ -96,6 +121,16 @@ class OffloadStats:
     def record_stall(self, layer: int, seconds: float) -> None:
         with self._lock:
             self.layer["stall_s"][layer] += seconds
+
+    def record_cpu_compute(self, layer: int, bytes_read: int) -> None:
+        """An expert of `layer` computes on the CPU (`bytes_read`: read from disk into a host buffer for it)."""
+        with self._lock:
+            self.layer["cpu_computed"][layer] += 1
+            self.layer["cpu_bytes_read"][layer] += bytes_read
+
+    def record_cpu_time(self, layer: int, seconds: float) -> None:
+        with self._lock:
+            self.layer["cpu_compute_s"][layer] += seconds
 
     def record_forward(self, layer: int, experts_used: int) -> None:
         with self._lock:
@@ -121,6 +156,11 @@ class OffloadStats:
                 "resident_bytes": self.resident_bytes,
                 "peak_cache_bytes": self.peak_cache_bytes,
                 "cache_capacity_bytes": self.capacity_bytes,
+                "lookahead_on": self.lookahead_on,
+                "lookahead_precision": self.lookahead_precision,
+                "lookahead_break_even": self.lookahead_break_even,
                 "per_layer": [{name: self.layer[name][i] for name in PER_LAYER} for i in range(self.num_layers)],
             }
+        if self.placement is not None:
+            data.update(self.placement())
         return StatsSnapshot(data, self.reset)
