@@ -150,11 +150,11 @@ class StreamPlanner(LayerHook):
         if not (read or score or self.eviction is not None):
             return
         likely = self.likely_experts(nxt, hidden_states)
-        if read:
-            self.cache.read_ahead(nxt, likely)
         if score:   # what a read-ahead would read: the first top-k guesses that are not resident
             top_k = self.layers[nxt].top_k
             self._local.guesses[nxt] = {e for e in likely[:top_k] if (nxt, e) not in self.cache.resident}
+        if read:
+            self.cache.read_ahead(nxt, likely)
         if self.eviction is not None:
             self.eviction.predict(nxt, likely)
             after = nxt
