@@ -53,8 +53,9 @@ class LayerRuntime:
             for hook in hooks:
                 hook.on_pinned(index)
 
+        layout = self.engine.store.layouts[index]     # the store's: quantized slabs give `QuantizedWeight`s
         for expert, slab in self.engine.cache.fetch(index, experts, on_pinned if hooks else None):
-            yield expert, self.layer.layout.views(slab)
+            yield expert, layout.views(slab)
         for hook in hooks:
             hook.on_layer_done(index)
 
@@ -163,10 +164,10 @@ class OffloadEngine:
         return add_experts
 
     def _guarded_apply(self, fn, recurse: bool = True):
-        probe = torch.empty(0, dtype=self.store.dtype, device=self.policy.device)
+        probe = torch.empty(0, dtype=self.store.compute_dtype, device=self.policy.device)
         converted = fn(probe)
         if converted.dtype != probe.dtype or converted.device != probe.device:
-            raise PolicyError(f"this model's experts are offloaded by hf_moe_offload as {self.store.dtype} for "
+            raise PolicyError(f"this model's experts are offloaded by hf_moe_offload as {probe.dtype} for "
                               f"{self.policy.device}; moving it to {converted.device} or casting it to "
                               f"{converted.dtype} would leave them behind. Call hf_moe_offload.disable(model) "
                               f"first, or load with the dtype/device you want (offload_policy 'device', "
@@ -207,17 +208,22 @@ class OffloadEngine:
 
 
 def read_layer_experts(store: ExpertStore, layer: MoELayer, device: torch.device) -> dict[str, torch.Tensor]:
-    """Every expert of `layer` stacked per slab part ([E, ...] on `device`), read from `store`."""
-    stacked = {name: torch.empty((layer.num_experts, *shape), dtype=store.dtype, device=device)
+    """Every expert of `layer` stacked per slab part ([E, ...] on `device`), read from `store`.
+
+    A quantized store gives the dequantized weights in the compute dtype: approximate, so `disable()`,
+    `state_dict()` and `save_pretrained` of a quantized model hold what it computed with, not the original."""
+    layout = store.layouts[layer.index]
+    stacked = {name: torch.empty((layer.num_experts, *shape), dtype=store.compute_dtype, device=device)
                for name, shape in layer.layout.parts}
-    buf = None if store.in_host_memory else torch.empty(layer.layout.numel, dtype=store.dtype)
+    buf = None if store.in_host_memory else torch.empty(layout.numel, dtype=store.dtype)
     for e in range(layer.num_experts):
         if buf is None:
             slab = store.host_slab(layer.index, e)
         else:
             store.read_into(layer.index, e, buf)
             slab = buf
-        for name, view in layer.layout.views(slab).items():
+        views = layout.dequantize(slab) if store.quantized else layout.views(slab)
+        for name, view in views.items():
             stacked[name][e].copy_(view)
     return stacked
 

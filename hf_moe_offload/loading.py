@@ -30,9 +30,11 @@ from .auto import Footprint, resolve, sequence_costs
 from .checkpoint import SAFETENSORS_DTYPES, CheckpointIndex, resolve_checkpoint_dir
 from .engine import OffloadEngine, get_engine, move_resident_part
 from .execute import EXPERTS_IMPLEMENTATION
-from .policy import OffloadPolicy, PolicyError
-from .spill import remove_folder, spill_experts, temporary_folder
-from .store import CpuStore, DiskStore
+from .policy import AUTO, DEFAULT_INT4_GROUP_SIZE, OffloadPolicy, PolicyError
+from .quantize import QuantizedSlabLayout, quantized_layouts
+from .spill import (quantized_cache_root, quantized_fingerprint, remove_folder, reuse_quantized, spill_experts,
+                    temporary_folder, write_quantized)
+from .store import CpuStore, DiskStore, dense_expert
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
                    original_from_pretrained, **kwargs) -> PreTrainedModel:
     """`from_pretrained` with experts offloaded according to `policy` (see `hf_moe_offload.from_pretrained`)."""
     policy = OffloadPolicy.from_any(policy)
+    # A quantized disk store writes its folder once and reuses it: offload_folder= names it.
+    offload_folder = kwargs.pop("offload_folder", None) if policy.quantize != "none" else None
     for conflicting in ("device_map", "offload_folder", "max_memory"):
         if kwargs.get(conflicting) is not None:
             raise PolicyError(f"{conflicting}= cannot be combined with offload_policy: hf_moe_offload places the "
@@ -53,6 +57,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     config = kwargs.get("config")
     if config is None or isinstance(config, str):
         config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path, **hub_kwargs)
+    refuse_quantized_checkpoint(config)
     arch = get_arch(config)
     _warn_if_experts_implementation_requested(kwargs.get("experts_implementation")
                                               or getattr(config, "_experts_implementation", None))
@@ -62,7 +67,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     layers = arch.find_layers(skeleton)
     pieces = _locate_experts(arch, index, layers)
     dtype = _requested_dtype(kwargs, pieces)
-    resolved = resolve(policy, footprint(skeleton, layers, dtype))
+    resolved = resolve(policy, footprint(skeleton, layers, dtype, _quantized_layouts(policy, layers, dtype)))
     predictor = _load_predictor(policy, skeleton)
     device = torch.device(resolved.policy.device)
 
@@ -74,7 +79,12 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     layers = arch.find_layers(model)
     dtype = next(layers[0].module.parameters()).dtype   # what transformers chose (meta tensors keep it)
     reader = DiskStore(layers, pieces, dtype)
-    store = CpuStore.from_reader(reader, device=device) if resolved.policy.store == "cpu" else reader
+    if policy.quantize != "none":
+        store = _quantized_store(resolved.policy, layers, dtype, device, lambda l, e: dense_expert(reader, l, e),
+                                 offload_folder, source_files=reader.files)
+        reader.close()
+    else:
+        store = CpuStore.from_reader(reader, device=device) if resolved.policy.store == "cpu" else reader
     engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes)
     if predictor is not None:
         engine.attach_predictor(predictor)
@@ -97,6 +107,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
     if get_engine(model) is not None:
         raise PolicyError("this model is already offloaded by hf_moe_offload; call hf_moe_offload.disable(model) "
                           "first to change its policy")
+    refuse_quantized_checkpoint(model.config)
     arch = get_arch(model.config)
     layers = arch.find_layers(model)
     expert_params = [p for lay in layers for p in lay.module.parameters()]
@@ -108,14 +119,26 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
     resident_device = next((p.device for n, p in model.named_parameters() if p.device.type != "meta"
                             and not any(n.startswith(lay.name + ".") for lay in layers)), original_device)
     # Experts already on a device count as free memory there: they are released before the cache is allocated.
-    fp = dataclasses.replace(footprint(model, layers, dtype), experts_device=str(original_device),
+    fp = dataclasses.replace(footprint(model, layers, dtype, _quantized_layouts(policy, layers, dtype)),
+                             experts_device=str(original_device),
                              resident_device=str(resident_device))
     resolved = resolve(policy, fp)
     predictor = _load_predictor(policy, model)
     device = torch.device(resolved.policy.device)
 
     folder, own_folder = None, False
-    if resolved.policy.store == "disk":
+    if policy.quantize != "none":
+        if resolved.policy.store == "disk":
+            folder, own_folder = (str(offload_folder), False) if offload_folder is not None else \
+                (temporary_folder(), True)
+        try:
+            store = _quantized_store(resolved.policy, layers, dtype, device,
+                                     lambda l, e: arch.expert_tensors(layers[l].module, e), folder)
+        except BaseException:
+            if own_folder:
+                remove_folder(folder)
+            raise
+    elif resolved.policy.store == "disk":
         folder, own_folder = (str(offload_folder), False) if offload_folder is not None else (temporary_folder(), True)
         try:
             store = DiskStore(layers, spill_experts(layers, arch, dtype, folder), dtype)
@@ -148,14 +171,67 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype) -> Footprint:
-    """Byte sizes of the model at `dtype` (works on a meta skeleton: only shapes are read)."""
+def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
+              quantized: list[QuantizedSlabLayout] | None = None) -> Footprint:
+    """Byte sizes of the model at `dtype` (works on a meta skeleton: only shapes are read); with `quantized`
+    layouts, experts count as stored quantized (so expert_cache="25%" is a quarter of the quantized bytes)."""
     expert_ids = {id(p) for lay in layers for p in lay.module.parameters()}
     resident = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids) * dtype.itemsize
-    slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
-    experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
+    if quantized is not None:
+        slab = max(lay.numel for lay in quantized)
+        experts = sum(q.numel * lay.num_experts for q, lay in zip(quantized, layers))
+    else:
+        slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
+        experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k,
                      **sequence_costs(model.config, dtype))
+
+
+def refuse_quantized_checkpoint(config) -> None:
+    """Refuse a model whose weights are already quantized (a `quantization_config`): its experts are not plain
+    float tensors hf_moe_offload can read per expert. Raised before anything is allocated."""
+    for cfg in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: config)())}.values():
+        qc = getattr(cfg, "quantization_config", None)
+        if qc is None:
+            continue
+        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+        method = getattr(method, "value", method) or "unknown"
+        raise PolicyError(f"this checkpoint's weights are already quantized (quantization_config with quant_method="
+                          f"{method!r}); hf_moe_offload reads experts stored as float tensors (float32, float16, "
+                          f"bfloat16) only. Use the checkpoint's unquantized weights, and offload_policy "
+                          f"{{'quantize': 'int8'}} or {{'quantize': 'int4'}} to store the experts quantized")
+
+
+def _quantized_layouts(policy: OffloadPolicy, layers: list[MoELayer], dtype: torch.dtype,
+                       device: torch.device | None = None) -> list[QuantizedSlabLayout] | None:
+    """The layers' quantized slab layouts for `policy`, packed for `device` (None: plain), or None."""
+    if policy.quantize == "none":
+        return None
+    group = DEFAULT_INT4_GROUP_SIZE if policy.quant_group_size == AUTO else int(policy.quant_group_size)
+    dense = [lay.layout for lay in layers]
+    if device is None:
+        return [QuantizedSlabLayout.build(d, policy.quantize, group, dtype) for d in dense]
+    return quantized_layouts(dense, policy.quantize, group, dtype, device)
+
+
+def _quantized_store(policy: OffloadPolicy, layers: list[MoELayer], dtype: torch.dtype, device: torch.device,
+                     read_expert, folder: str | None, source_files: list[str] | None = None):
+    """A store of quantized experts: host slabs (store="cpu"), or a quantized folder read per expert ("disk").
+
+    With `source_files` (a checkpoint) the folder is `folder` or a cache folder per fingerprint, reused while the
+    fingerprint matches; without (a built model's experts, `enable`) it is always written."""
+    layouts = _quantized_layouts(policy, layers, dtype, device)
+    num_experts = [lay.num_experts for lay in layers]
+    if policy.store == "cpu":
+        return CpuStore.build_quantized(read_expert, layouts, num_experts, dtype, device=device)
+    fingerprint = quantized_fingerprint(source_files, layouts) if source_files else "built-model"
+    if folder is None:
+        folder = os.path.join(quantized_cache_root(), fingerprint)
+    pieces = reuse_quantized(folder, fingerprint, layouts, num_experts) if source_files else None
+    if pieces is None:
+        logger.info("hf_moe_offload: quantizing experts (%s) into %s", policy.quantize, folder)
+        pieces = write_quantized(folder, fingerprint, layouts, num_experts, read_expert)
+    return DiskStore(layers, pieces, dtype, layouts=layouts)
 
 
 def _warn_if_experts_implementation_requested(requested: str | None) -> None:
