@@ -116,3 +116,117 @@ def test_predicted_routing_steps_aside_under_continuous_batching(tiny_models, pr
                       routing="predicted", predictor=predictors["mixtral"])
     assert run(model) == run(reference("mixtral", tiny_models["mixtral"]))
     assert hf_moe_offload.get_engine(model).prefetcher._warned_paged
+
+
+# -- fewer wasted prefetches: confidence filter, per-layer shut-off, counters ---------------------------------------
+
+def _spy_prefetches(engine, prefetcher):
+    """Wrap the cache's prefetch: record (layer, expert, the table's chance for it) for every hash prefetch."""
+    calls, original = [], engine.cache.prefetch
+
+    def prefetch(layer, experts):
+        chances = dict(prefetcher._current().ranked[prefetcher.axis_of[layer]])
+        calls.extend((layer, e, chances.get(e)) for e in experts)
+        return original(layer, experts)
+
+    engine.cache.prefetch = prefetch
+    return calls
+
+
+def _hash_model(tiny_models, predictors, budget="50%"):
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache=budget,
+                      prefetch="hash", predictor=predictors["mixtral"])
+    engine = hf_moe_offload.get_engine(model)
+    return model, engine, engine.prefetcher
+
+
+def test_low_confidence_predictions_are_not_prefetched(tiny_models, predictors):
+    ids, kwargs = _ids(1), dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = reference("mixtral", tiny_models["mixtral"]).generate(ids, **kwargs)
+    model, engine, prefetcher = _hash_model(tiny_models, predictors)
+    prefetcher.configure(min_precision=0.0, min_confidence=0.5)
+    calls = _spy_prefetches(engine, prefetcher)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    snap = hf_moe_offload.stats(model)
+    assert calls and all(chance is not None and chance >= 0.5 for _, _, chance in calls)
+    assert snap["hash_skipped_low_confidence"] > 0
+
+    prefetcher.configure(min_confidence=1.0)          # no estimate reaches certainty: nothing is prefetched
+    snap.reset()
+    calls.clear()
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    snap = hf_moe_offload.stats(model)
+    assert calls == [] and snap["hash_prefetch_issued"] == 0 and snap["hash_skipped_low_confidence"] > 0
+
+
+def test_a_layer_with_low_precision_is_shut_off_and_still_tracked(tiny_models, predictors):
+    ids, kwargs = _ids(1), dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    expected = reference("mixtral", tiny_models["mixtral"]).generate(ids, **kwargs)
+    model, engine, prefetcher = _hash_model(tiny_models, predictors)
+    # an untrained predictor is often wrong: demanding every prediction be right shuts its layers off
+    prefetcher.configure(min_confidence=0.0, min_precision=1.0, min_samples=4, precision_window=8)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    off = prefetcher.layers_off()
+    assert off and hf_moe_offload.stats(model)["hash_layers_off"] == len(off)
+    precision = prefetcher.precision()
+    assert all(precision[layer] < 1.0 for layer in off)
+
+    calls = _spy_prefetches(engine, prefetcher)
+    hf_moe_offload.stats(model).reset()
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    snap = hf_moe_offload.stats(model)
+    still_off = set(off) & set(prefetcher.layers_off())
+    assert still_off and not [c for c in calls if c[0] in still_off]
+    assert snap["hash_skipped_layer_off"] > 0
+
+    prefetcher.configure(min_precision=0.0)           # a bar every layer clears: prefetching resumes everywhere
+    hf_moe_offload.stats(model).reset()
+    model.generate(ids, **kwargs)
+    assert prefetcher.layers_off() == [] and hf_moe_offload.stats(model)["hash_skipped_layer_off"] == 0
+
+
+def test_hash_counters_add_up_and_reset(tiny_models, predictors):
+    model, engine, prefetcher = _hash_model(tiny_models, predictors, budget="75%")
+    prefetcher.configure(min_confidence=0.0, min_precision=0.0, share_cap=False)
+    new_tokens = 6
+    model.generate(_ids(2), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    snap = hf_moe_offload.stats(model)
+    assert snap["hash_tables"] == new_tokens                     # one table per forward pass
+    assert snap["hash_prefetch_issued"] > 0
+    # every prefetched layer is routed in the same pass: each prefetch is scored used or unused
+    assert snap["hash_prefetch_used"] + snap["hash_prefetch_unused"] == snap["hash_prefetch_issued"]
+    # the cache counts the same prefetches (beside the streaming read-ahead)
+    assert snap["prefetch_issued"] - snap["readahead_issued"] == snap["hash_prefetch_issued"]
+    snap.reset()
+    after = hf_moe_offload.stats(model)
+    assert all(after[k] == 0 for k in ("hash_prefetch_issued", "hash_prefetch_used", "hash_prefetch_unused",
+                                       "hash_skipped_low_confidence", "hash_tables", "predictor_s"))
+
+
+def test_configure_refuses_bad_values(tiny_models, predictors):
+    _, _, prefetcher = _hash_model(tiny_models, predictors)
+    with pytest.raises(ValueError, match=r"min_confidence must be a probability in \[0, 1\], got 1.5"):
+        prefetcher.configure(min_confidence=1.5)
+    with pytest.raises(ValueError, match="precision_window must be an int >= 1"):
+        prefetcher.configure(precision_window=0)
+    with pytest.raises(ValueError, match="min_samples .* must not exceed precision_window"):
+        prefetcher.configure(min_samples=100, precision_window=10)
+
+
+def test_one_token_lstm_step_matches_nn_lstm_with_a_padded_row():
+    from hf_moe_offload.prefetch.hash_predictor import HashPredictorConfig
+
+    torch.manual_seed(0)
+    predictor = HashPredictor(HashPredictorConfig(model_type="mixtral", num_layers=2, layer_names=["a", "b"],
+                                                  num_experts=4, hidden_size=8, vocab_size=10, top_k=2,
+                                                  d_model=8, lstm_hidden=8))
+    prompt, token = torch.randn(2, 3, 8), torch.randn(2, 1, 8)
+    mask = torch.tensor([[1], [0]])                   # row 1 has no token this step: its state must not move
+    _, state = predictor.step(prompt)
+    fast, fast_state = predictor.step(token, mask, state)
+    predictor.one_token_cells = False
+    slow, slow_state = predictor.step(token, mask, state)
+    torch.testing.assert_close(fast[0], slow[0])
+    for a, b in zip(fast_state.hc, slow_state.hc):
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(fast_state.hc[0][:, 1], state.hc[0][:, 1])

@@ -261,6 +261,9 @@ class HashPredictor(nn.Module):
         self.residual = nn.Linear(c.d_model, width)
         self.head = nn.Linear(width, c.num_layers * c.num_experts)
 
+    # A single decode token goes through `torch.lstm_cell` (see `_lstm_one_token`); False: always `nn.LSTM`.
+    one_token_cells = True
+
     @property
     def layer_names(self) -> list[str]:
         return list(self.config.layer_names)
@@ -362,7 +365,7 @@ class HashPredictor(nn.Module):
         """LSTM over each row's valid tokens only (packed to the front, order kept), outputs back in place.
         `host_lengths`: valid tokens per row, on the CPU (see `_host_lengths`)."""
         length = x.shape[1]
-        if length == 1 and not self.training and not self.lstm.bidirectional:
+        if length == 1 and self.one_token_cells and not self.training and not self.lstm.bidirectional:
             h, (h_n, c_n) = self._lstm_one_token(x, hc)
             h = h * mask[..., None].to(h.dtype)
         else:

@@ -9,6 +9,22 @@ reaches the first MoE layer and, from then on, loads each layer's predicted expe
 - `routing="predicted"` (SiDA's serving mode, approximate): the predicted logits replace the router's, through the
   router's own softmax/top-k (a forward hook on the router module).
 
+Only predictions likely to be used are prefetched, since a wrong one costs a copy and may evict an expert that
+would have hit:
+
+- *confidence*: of a layer's predicted top-k experts (union over the pass's tokens), only those whose estimated
+  chance of being routed, 1 - prod over tokens (1 - min(1, k * p)) with p the predicted router probability, reaches
+  `min_confidence`; most likely first;
+- *share*: at most `num_slots // (LOOKAHEAD_LAYERS + 1)` (at least top-k) per layer ahead, so the layer computing
+  keeps its share of the cache (the cache itself never lets a prefetch evict an expert needed sooner);
+- *per-layer shut-off*: each layer's precision (confident predictions the router then chose, over the last
+  `precision_window`) is tracked online, also while the layer is off; a layer under `min_precision` is not
+  prefetched until it climbs back.
+
+`stats(model)` gains `hash_prefetch_issued` / `_used` / `_unused` (used or not by the pass they were issued for),
+`hash_skipped_low_confidence`, `hash_skipped_layer_off`, `hash_skipped_no_room`, `hash_layers_off`, `hash_tables`
+(tables built), `predictor_s` (time building them) and `predictor_wait_s` (time the inference thread waited).
+
 Example:
     >>> model = AutoModelForCausalLM.from_pretrained(path, offload_policy={             # doctest: +SKIP
     ...     "store": "disk", "expert_cache": "25%", "prefetch": "hash", "predictor": "predictor/"})
@@ -19,8 +35,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -30,6 +48,14 @@ from ..hooks import LayerHook
 logger = logging.getLogger(__name__)
 
 LOOKAHEAD_LAYERS = 2
+# Defaults of the filters (see the module docstring); measured on the demo model's held-out text, docs/benchmarks.md.
+MIN_CONFIDENCE = 0.5
+MIN_PRECISION = 0.5
+PRECISION_WINDOW = 64
+MIN_SAMPLES = 16
+
+_COUNTERS = ("hash_prefetch_issued", "hash_prefetch_used", "hash_prefetch_unused", "hash_skipped_low_confidence",
+             "hash_skipped_layer_off", "hash_skipped_no_room", "hash_tables")
 
 
 @dataclass
@@ -39,6 +65,8 @@ class Prediction:
     logits: torch.Tensor              # [tokens, predicted layers, E], tokens in the router's (batch, seq) order
     experts: list[list[int]]          # per predicted layer: the union of every token's predicted top-k experts
     ready: object | None = None       # CUDA event after the logits were computed (None on the CPU)
+    # per predicted layer: (expert, chance some token of the pass routes to it) for `experts`, most likely first
+    ranked: list[list[tuple[int, float]]] = field(default_factory=list)
 
 
 @dataclass
@@ -50,12 +78,23 @@ class _CallerState:
     batch: int = 0
     pending: Future | None = None
     table: Prediction | None = None
+    predicted: dict = field(default_factory=dict)   # layer -> confident predictions for this pass (issued or not)
+    issued: dict = field(default_factory=dict)      # layer -> experts this pass prefetched for it
 
 
 class HashPrefetcher(LayerHook):
-    """Attaches a trained predictor to an offloaded model (see the module docstring)."""
+    """Attaches a trained predictor to an offloaded model (see the module docstring).
 
-    def __init__(self, engine, predictor: nn.Module, routing: str = "router"):
+    Example:
+        >>> prefetcher = hf_moe_offload.get_engine(model).prefetcher                    # doctest: +SKIP
+        >>> prefetcher.configure(min_confidence=0.7)      # fewer, surer prefetches      # doctest: +SKIP
+        >>> hf_moe_offload.stats(model)["hash_prefetch_used"]                           # doctest: +SKIP
+    """
+
+    def __init__(self, engine, predictor: nn.Module, routing: str = "router", *,
+                 min_confidence: float = MIN_CONFIDENCE, min_precision: float = MIN_PRECISION,
+                 precision_window: int = PRECISION_WINDOW, min_samples: int = MIN_SAMPLES,
+                 share_cap: bool = True):
         self.engine, self.predictor, self.routing = engine, predictor, routing
         self.prefetches = engine.policy.prefetch == "hash"   # a predictor may serve routing="predicted" alone
         model, arch = engine.model, engine.arch
@@ -63,6 +102,8 @@ class HashPrefetcher(LayerHook):
         self.axis_of = {layer.index: axis[layer.name] for layer in engine.layers if layer.name in axis}
         self.order = sorted(self.axis_of)                    # engine layer indices with a prediction
         self.top_k = engine.layers[0].top_k
+        self.configure(min_confidence=min_confidence, min_precision=min_precision,
+                       precision_window=precision_window, min_samples=min_samples, share_cap=share_cap)
         self.embeddings = model.get_input_embeddings()
         self.predictor.to(next(self.embeddings.parameters()).device).eval()
         device = self.predictor.device
@@ -75,12 +116,41 @@ class HashPrefetcher(LayerHook):
         self._warned_paged = False
         self.predict_s = 0.0
         self.wait_s = 0.0
+        self.counts = dict.fromkeys(_COUNTERS, 0)
         self._hooks = [self.stream.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
         if routing == "predicted":
             for layer in engine.layers:
                 if layer.index in self.axis_of:
                     router = arch.router_module(model, layer)
                     self._hooks.append(router.register_forward_hook(self._routing_hook(layer.index)))
+
+    def configure(self, *, min_confidence: float | None = None, min_precision: float | None = None,
+                  precision_window: int | None = None, min_samples: int | None = None,
+                  share_cap: bool | None = None) -> None:
+        """Change the prefetch filters (None keeps a value); `min_confidence=0, min_precision=0, share_cap=False`
+        prefetches every predicted top-k expert, as before the filters existed. Resets the precision tracking.
+
+        >>> prefetcher.configure(min_confidence=0.7, min_precision=0.6)                 # doctest: +SKIP
+        """
+        for name, value in (("min_confidence", min_confidence), ("min_precision", min_precision)):
+            if value is not None and not 0.0 <= float(value) <= 1.0:
+                raise ValueError(f"{name} must be a probability in [0, 1], got {value!r}")
+        for name, value in (("precision_window", precision_window), ("min_samples", min_samples)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        current = getattr(self, "precision_window", PRECISION_WINDOW)
+        self.min_confidence = float(min_confidence) if min_confidence is not None else \
+            getattr(self, "min_confidence", MIN_CONFIDENCE)
+        self.min_precision = float(min_precision) if min_precision is not None else \
+            getattr(self, "min_precision", MIN_PRECISION)
+        self.precision_window = precision_window or current
+        self.min_samples = min_samples or getattr(self, "min_samples", MIN_SAMPLES)
+        if self.min_samples > self.precision_window:
+            raise ValueError(f"min_samples ({self.min_samples}) must not exceed precision_window "
+                             f"({self.precision_window})")
+        self.share_cap = bool(share_cap) if share_cap is not None else getattr(self, "share_cap", True)
+        self._outcomes = {layer: deque(maxlen=self.precision_window) for layer in self.order}
+        self._off: set[int] = set()
 
     def _caller(self) -> _CallerState:
         caller = getattr(self._callers, "state", None)
@@ -92,6 +162,7 @@ class HashPrefetcher(LayerHook):
 
     def _on_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         caller = self._caller()
+        caller.predicted, caller.issued = {}, {}
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None or _is_continuous_batching(kwargs):
             # inputs_embeds only: nothing to hash. Continuous batching packs a different set of requests into one
@@ -113,7 +184,7 @@ class HashPrefetcher(LayerHook):
         caller.table = None
         caller.pending = self._pool.submit(self._predict, caller, ids, new_mask, new_sequence, inputs_ready)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def _predict(self, caller: _CallerState, ids: torch.Tensor, mask: torch.Tensor | None, new_sequence: bool,
                  inputs_ready) -> Prediction:
         """Runs on the hash-building thread; calls are serialised, so each caller's causal state advances in order."""
@@ -126,12 +197,20 @@ class HashPrefetcher(LayerHook):
             else:                              # an encoder sees its whole input at once
                 current = self.predictor.predict(embeddings, mask)           # [B, n, layers, E]
             flat = current.reshape(-1, *current.shape[2:])    # [B*n, layers, E]
-            top = flat.topk(self.top_k, dim=-1).indices.cpu()   # [B*n, layers, k]: the one host sync
+            valid = None if mask is None else mask.reshape(-1).bool()
+            chance = _chance_routed(flat, self.top_k, valid)  # [layers, E]
+            top = flat.topk(self.top_k, dim=-1).indices      # [B*n, layers, k]
+            if valid is not None:                            # padding routes nowhere (its row: any valid token's)
+                top = top[valid] if bool(valid.any()) else top[:0]
+            top, chance = top.cpu(), chance.cpu()            # host syncs of the hash thread, not of the model
             ready = _record_event(flat.device)
         experts = [sorted(set(top[:, i].reshape(-1).tolist())) for i in range(top.shape[1])]
+        ranked = [sorted(((e, float(chance[i, e])) for e in layer), key=lambda pair: -pair[1])
+                  for i, layer in enumerate(experts)]
         with self._times_lock:
             self.predict_s += time.perf_counter() - start
-        return Prediction(flat, experts, ready)
+            self.counts["hash_tables"] += 1
+        return Prediction(flat, experts, ready, ranked)
 
     # -- the inference thread ---------------------------------------------------------------------------------
 
@@ -147,16 +226,86 @@ class HashPrefetcher(LayerHook):
                 self.wait_s += time.perf_counter() - start
         return caller.table
 
+    def on_route(self, layer: int, experts: Sequence[int]) -> None:
+        """The router chose: score this pass's predictions for `layer` (precision, used / unused prefetches)."""
+        caller = self._caller()
+        predicted = caller.predicted.pop(layer, None)
+        issued = caller.issued.pop(layer, set())
+        if predicted is None:
+            return
+        routed = set(experts)
+        with self._times_lock:
+            self.counts["hash_prefetch_used"] += len(issued & routed)
+            self.counts["hash_prefetch_unused"] += len(issued - routed)
+            outcomes = self._outcomes[layer]
+            outcomes.extend(e in routed for e in predicted)
+            if len(outcomes) >= self.min_samples:
+                precision = sum(outcomes) / len(outcomes)
+                if precision < self.min_precision and layer not in self._off:
+                    self._off.add(layer)
+                    logger.info("hf_moe_offload: hash prefetch off for MoE layer %d (precision %.2f < %.2f)",
+                                layer, precision, self.min_precision)
+                elif precision >= self.min_precision and layer in self._off:
+                    self._off.discard(layer)
+                    logger.info("hf_moe_offload: hash prefetch back on for MoE layer %d (precision %.2f)",
+                                layer, precision)
+
     def on_pinned(self, layer: int) -> None:
-        """This layer's experts are pinned: prefetch the next predicted layers' experts."""
+        """This layer's experts are pinned: prefetch the next predicted layers' confident experts."""
         if not self.prefetches or layer not in self.axis_of:
             return
         table = self._current()
         if table is None:
             return
+        caller = self._caller()
+        cache = self.engine.cache
+        share = max(self.top_k, cache.num_slots // (LOOKAHEAD_LAYERS + 1)) if self.share_cap else None
         position = self.order.index(layer)
         for ahead in self.order[position + 1:position + 1 + LOOKAHEAD_LAYERS]:
-            self.engine.cache.prefetch(ahead, table.experts[self.axis_of[ahead]])
+            if ahead in caller.predicted:                    # planned from an earlier layer of this pass already
+                self._issue(caller, ahead, caller.predicted[ahead])
+                continue
+            ranked = table.ranked[self.axis_of[ahead]]
+            confident = [e for e, chance in ranked if chance >= self.min_confidence]
+            low = len(ranked) - len(confident)
+            if share is not None:
+                confident = confident[:share]
+            caller.predicted[ahead] = confident
+            with self._times_lock:
+                self.counts["hash_skipped_low_confidence"] += low
+                if ahead in self._off:
+                    self.counts["hash_skipped_layer_off"] += len(confident)
+            self._issue(caller, ahead, confident)
+
+    def _issue(self, caller: _CallerState, layer: int, experts: list[int]) -> None:
+        """Prefetch `experts` of `layer`, most likely first, until the cache has no slot for a guess."""
+        if layer in self._off:
+            return
+        cache, issued = self.engine.cache, caller.issued.setdefault(layer, set())
+        for i, e in enumerate(experts):
+            if e in issued or (layer, e) in cache.resident:
+                continue
+            if not cache.prefetch(layer, [e]):
+                with self._times_lock:
+                    self.counts["hash_skipped_no_room"] += sum(1 for x in experts[i:] if x not in issued)
+                return
+            issued.add(e)
+            with self._times_lock:
+                self.counts["hash_prefetch_issued"] += 1
+
+    def precision(self) -> dict[int, float | None]:
+        """Per predicted MoE layer: the share of its recent confident predictions the router chose (None before any).
+
+        >>> hf_moe_offload.get_engine(model).prefetcher.precision()       # doctest: +SKIP
+        {1: 0.83, 2: 0.71, 3: 0.44}
+        """
+        with self._times_lock:
+            return {layer: (sum(o) / len(o) if o else None) for layer, o in self._outcomes.items()}
+
+    def layers_off(self) -> list[int]:
+        """MoE layers whose prefetches are shut off for low precision now."""
+        with self._times_lock:
+            return sorted(self._off)
 
     def _routing_hook(self, layer_index: int):
         def replace_routing(module: nn.Module, args: tuple, output):
@@ -171,16 +320,33 @@ class HashPrefetcher(LayerHook):
 
     def stats(self) -> dict[str, float]:
         with self._times_lock:
-            return {"predictor_s": self.predict_s, "predictor_wait_s": self.wait_s}
+            return {"predictor_s": self.predict_s, "predictor_wait_s": self.wait_s, **self.counts,
+                    "hash_layers_off": len(self._off)}
 
     def reset_stats(self) -> None:
         with self._times_lock:
             self.predict_s = self.wait_s = 0.0
+            self.counts = dict.fromkeys(_COUNTERS, 0)
 
     def close(self) -> None:
         for hook in self._hooks:
             hook.remove()
         self._pool.shutdown(wait=True)
+
+
+def _chance_routed(logits: torch.Tensor, top_k: int, valid: torch.Tensor | None) -> torch.Tensor:
+    """Estimated chance that some token routes to each expert: logits [N, layers, E] -> [layers, E], from each
+    token's predicted router probability p as min(1, k * p) (a top-k router takes p's largest k), combined over
+    the valid tokens as 1 - prod(1 - chance).
+
+    >>> _chance_routed(torch.tensor([[[2.0, 0.0, -9.0]]]), 1, None).round(decimals=2)
+    tensor([[0.8800, 0.1200, 0.0000]])
+    """
+    chance = (torch.softmax(logits.float(), dim=-1) * top_k).clamp(max=1.0)
+    if valid is not None:
+        chance = chance * valid[:, None, None].to(chance.dtype)
+    miss_all = torch.log1p(-chance.clamp(max=1.0 - 1e-6)).sum(dim=0)
+    return 1.0 - torch.exp(miss_all)
 
 
 def _is_continuous_batching(forward_kwargs: dict) -> bool:
