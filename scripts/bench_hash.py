@@ -72,7 +72,8 @@ def run(mode: str, budget: str, args, prompts: list[str], tokenizer, reference: 
         snap = engine.stats_snapshot()
         timings.append({"predictor_ms": 1e3 * snap.get("predictor_s", 0.0) / tokens,
                         "wait_ms": 1e3 * snap.get("predictor_wait_s", 0.0) / tokens,
-                        "stall_ms": 1e3 * snap["stall_s"] / tokens, "tok_s": tokens / seconds})
+                        "stall_ms": 1e3 * snap["stall_s"] / tokens, "tok_s": tokens / seconds,
+                        "tables_ready": snap.get("hash_tables_ready", 0) / max(snap.get("hash_tables", 0), 1)})
     expert_bytes = engine.cache.slot_bytes
     hook = {k: v for k, v in snap.items() if k.startswith("hash_")}
     result = {
@@ -100,7 +101,7 @@ def span(values: list[float]) -> str:
 def table(results: list[dict]) -> str:
     head = ("| budget (slots) | mode | cache hit rate | demand misses/token | KB moved/token | prefetch issued / hit "
             "/ wasted (cache) | hash used / unused | skipped: low confidence / layer off | layers off | predictor "
-            "ms/token | waited ms/token | tok/s | same tokens |\n|" + "---|" * 13)
+            "ms/token | waited ms/token | tables ready in time | tok/s | same tokens |\n|" + "---|" * 14)
     rows = [head]
     for r in results:
         t = r["timings"]
@@ -110,8 +111,8 @@ def table(results: list[dict]) -> str:
             f"{r['kb_per_token']:.0f} | {r['prefetch_issued']} / {r['prefetch_hits']} / {r['prefetch_wasted']} | "
             + (f"{r['hash_prefetch_used']} / {r['hash_prefetch_unused']} | {r['hash_skipped_low_confidence']} / "
                f"{r['hash_skipped_layer_off']} | {r['hash_layers_off']} | "
-               f"{span([x['predictor_ms'] for x in t])} | {span([x['wait_ms'] for x in t])} | " if hashed
-               else "— | — | — | — | — | ")
+               f"{span([x['predictor_ms'] for x in t])} | {span([x['wait_ms'] for x in t])} | "
+               f"{span([x['tables_ready'] for x in t])} | " if hashed else "— | — | — | — | — | — | ")
             + f"{span([x['tok_s'] for x in t])} | {'yes' if r['same_tokens'] else 'NO'} |")
     return "\n".join(rows)
 

@@ -192,6 +192,7 @@ def test_hash_counters_add_up_and_reset(tiny_models, predictors):
     model.generate(_ids(2), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     snap = hf_moe_offload.stats(model)
     assert snap["hash_tables"] == new_tokens                     # one table per forward pass
+    assert 0 <= snap["hash_tables_ready"] <= snap["hash_tables"]
     assert snap["hash_prefetch_issued"] > 0
     # every prefetched layer is routed in the same pass: each prefetch is scored used or unused
     assert snap["hash_prefetch_used"] + snap["hash_prefetch_unused"] == snap["hash_prefetch_issued"]
@@ -200,7 +201,8 @@ def test_hash_counters_add_up_and_reset(tiny_models, predictors):
     snap.reset()
     after = hf_moe_offload.stats(model)
     assert all(after[k] == 0 for k in ("hash_prefetch_issued", "hash_prefetch_used", "hash_prefetch_unused",
-                                       "hash_skipped_low_confidence", "hash_tables", "predictor_s"))
+                                       "hash_skipped_low_confidence", "hash_tables", "hash_tables_ready",
+                                       "predictor_s"))
 
 
 def test_configure_refuses_bad_values(tiny_models, predictors):

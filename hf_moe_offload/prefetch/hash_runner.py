@@ -23,7 +23,8 @@ would have hit:
 
 `stats(model)` gains `hash_prefetch_issued` / `_used` / `_unused` (used or not by the pass they were issued for),
 `hash_skipped_low_confidence`, `hash_skipped_layer_off`, `hash_skipped_no_room`, `hash_layers_off`, `hash_tables`
-(tables built), `predictor_s` (time building them) and `predictor_wait_s` (time the inference thread waited).
+(tables built), `hash_tables_ready` (of those, ready when the first MoE layer asked: no wait), `predictor_s` (time
+building them) and `predictor_wait_s` (time the inference thread waited).
 
 Example:
     >>> model = AutoModelForCausalLM.from_pretrained(path, offload_policy={             # doctest: +SKIP
@@ -55,7 +56,7 @@ PRECISION_WINDOW = 64
 MIN_SAMPLES = 16
 
 _COUNTERS = ("hash_prefetch_issued", "hash_prefetch_used", "hash_prefetch_unused", "hash_skipped_low_confidence",
-             "hash_skipped_layer_off", "hash_skipped_no_room", "hash_tables")
+             "hash_skipped_layer_off", "hash_skipped_no_room", "hash_tables", "hash_tables_ready")
 
 
 @dataclass
@@ -218,12 +219,14 @@ class HashPrefetcher(LayerHook):
         caller = self._caller()
         if caller.table is None and caller.pending is not None:
             start = time.perf_counter()
+            ready = caller.pending.done()                    # built before the first MoE layer asked for it
             caller.table = caller.pending.result()
             caller.pending = None
             if caller.table.ready is not None:               # the caller's stream reads the logits after they exist
                 torch.cuda.current_stream(caller.table.logits.device).wait_event(caller.table.ready)
             with self._times_lock:
                 self.wait_s += time.perf_counter() - start
+                self.counts["hash_tables_ready"] += ready
         return caller.table
 
     def on_route(self, layer: int, experts: Sequence[int]) -> None:
