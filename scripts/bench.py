@@ -95,10 +95,14 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 log = logging.getLogger("bench")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_layer")
+QUANTIZATIONS = ("int8", "int4")
+DENSE_SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_layer")
+SYSTEMS = (*DENSE_SYSTEMS, *(f"hf_moe_offload_{q}" for q in QUANTIZATIONS))     # quantized rows: --quantize
 OURS_POLICY = {"device": "cpu", "store": "disk", "expert_cache": "25%", "eviction": "lru"}
-# hf_moe_offload systems: the policy (LRU) and the same with the library's default layer-aware eviction.
-POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLICY, "eviction": "layer"}}
+# hf_moe_offload systems: the policy (LRU) and the same with the library's default layer-aware eviction;
+# --quantize adds the default eviction with experts stored quantized (approximate: tokens may differ from resident).
+POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLICY, "eviction": "layer"},
+            **{f"hf_moe_offload_{q}": {**OURS_POLICY, "eviction": "layer", "quantize": q} for q in QUANTIZATIONS}}
 MiB, GiB = 2**20, 2**30
 MARKER = "bench_model.json"
 MAX_GPU_LAYERS = 32            # Mixtral-8x7B has 32
@@ -107,7 +111,7 @@ ALLOCATOR_SLACK = 1 * GiB      # device memory the caching allocator loses to fr
 
 # Settings that differ by device; --quick replaces some of them (any flag given on the command line wins).
 DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
-    "cpu": {"systems": list(SYSTEMS), "batch_sizes": [1, 8], "prompt_len": 16, "new_tokens": 16, "threads": 1,
+    "cpu": {"systems": list(DENSE_SYSTEMS), "batch_sizes": [1, 8], "prompt_len": 16, "new_tokens": 16, "threads": 1,
             "warmup_tokens": 2, "idle_wait": 30.0, "caps_gib": [], "stores": ["disk"], "cb_prompts": 0,
             "cb_static_batch": 32},
     "cuda": {"systems": ["resident", "accelerate", "hf_moe_offload_layer"], "batch_sizes": [1, 64],
@@ -683,7 +687,17 @@ def load_system(spec: dict[str, Any], path: Path, offload_folder: Path):
         fsync_files(files)
         return model, files
     if system in POLICIES:
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, offload_policy=policy_for(spec)), []
+        policy = policy_for(spec)
+        if policy.get("quantize", "none") == "none":
+            return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, offload_policy=policy), []
+        # Quantized once into a folder beside the checkpoint (reused by later rows and runs while the checkpoint is
+        # unchanged); its files are what a decode step reads, so their pages are the ones evicted.
+        folder = Path(spec["offload_folder"]).parent / f"quantized_{policy['quantize']}"
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, offload_policy=policy,
+                                                     offload_folder=str(folder))
+        files = sorted(p for p in folder.glob("*.safetensors"))
+        fsync_files(files)
+        return model, files
     raise ValueError(f"unknown system {system!r}; allowed: {SYSTEMS}")
 
 
@@ -902,6 +916,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if system in POLICIES:
         result["policy"] = policy_for(spec)
         result["ours"] = summarize_ours(probe, result["decode_tokens"])
+        import hf_moe_offload
+
+        # One expert as the row stores and moves it (quantized rows: fewer bytes than the checkpoint's).
+        result["ours"]["expert_bytes"] = hf_moe_offload.get_engine(model).cache.slot_bytes
     return result
 # ------------------------------------------------------------------------------------- continuous batching worker
 
@@ -1186,6 +1204,7 @@ def floors(r: dict, one_expert_bytes: int) -> tuple[list[int], int] | None:
     ours = r.get("ours") or {}
     if "decode_step_experts_used" not in ours:
         return None
+    one_expert_bytes = ours.get("expert_bytes", one_expert_bytes)     # a quantized row's own expert size
     slots = ours["cache_capacity_bytes"] // one_expert_bytes
     steps = [resident_set_floor(used, slots, one_expert_bytes) for used in ours["decode_step_experts_used"]]
     return steps, resident_set_floor(ours["prefill_experts_used"], slots, one_expert_bytes)
@@ -1325,8 +1344,9 @@ def cb_table(batching: dict[str, Any]) -> str:
 
 
 COLORS = {"resident": "#7f7f7f", "accelerate": "#d62728", "hf_moe_offload": "#1f77b4",
-          "hf_moe_offload_layer": "#2ca02c"}
-CACHE_COLORS = {"hf_moe_offload": "#9ecae1", "hf_moe_offload_layer": "#a1d99b"}
+          "hf_moe_offload_layer": "#2ca02c", "hf_moe_offload_int8": "#9467bd", "hf_moe_offload_int4": "#ff7f0e"}
+CACHE_COLORS = {"hf_moe_offload": "#9ecae1", "hf_moe_offload_layer": "#a1d99b", "hf_moe_offload_int8": "#c5b0d5",
+                "hf_moe_offload_int4": "#ffbb78"}
 Group = tuple[int, "str | None", "int | None"]       # (batch, store, cap bytes)
 
 
@@ -1487,6 +1507,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                        help="default: the device's shape (cpu: ModelShape(); cuda: Mixtral-8x7B)"
                        + ("; cuda: as many layers as the work dir's disk holds, at most 32" if dim == "layers" else ""))
     p.add_argument("--seed", type=int, default=0, help="seed for the weights and the prompt")
+    p.add_argument("--quantize", nargs="+", default=[], choices=QUANTIZATIONS,
+                   help="also run hf_moe_offload with experts stored quantized (rows hf_moe_offload_int8 / _int4: "
+                        "the default eviction, quantize=int8 or int4 with the default group size), beside the "
+                        "dense rows; the quantized folder is written once under --workdir")
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
                    help="hf_moe_offload uses eviction='lru' (the issue's policy); hf_moe_offload_layer the library's "
                         "default eviction='layer' (cpu: all four; cuda: resident accelerate hf_moe_offload_layer)")
@@ -1536,6 +1560,8 @@ def fill_defaults(args: argparse.Namespace) -> argparse.Namespace:
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.systems = list(args.systems) + [f"hf_moe_offload_{q}" for q in args.quantize
+                                         if f"hf_moe_offload_{q}" not in args.systems]
     return args
 
 

@@ -212,3 +212,14 @@ def test_from_json_renders_the_committed_runs(name, tmp_path, capsys):
     shutil.copy(committed, tmp_path / committed.name)        # --from-json rewrites the JSON beside it
     assert bench.main(["--from-json", str(tmp_path / committed.name)]) == 0
     assert "| bound tok/s |" in capsys.readouterr().out
+
+
+def test_quantize_flag_adds_quantized_rows_beside_the_dense_ones():
+    args = bench.parse_args(["--tiny", "--systems", "resident", "hf_moe_offload_layer", "--quantize", "int8", "int4"])
+    assert args.systems == ["resident", "hf_moe_offload_layer", "hf_moe_offload_int8", "hf_moe_offload_int4"]
+    assert bench.POLICIES["hf_moe_offload_int4"] == {**bench.POLICIES["hf_moe_offload_layer"], "quantize": "int4"}
+    assert bench.parse_args(["--tiny"]).systems == list(bench.DENSE_SYSTEMS)     # dense rows only by default
+    # A quantized row's resident-set floor counts its own (smaller) experts.
+    row = {"ours": {"decode_step_experts_used": [6], "prefill_experts_used": 8, "cache_capacity_bytes": 400,
+                    "expert_bytes": 100}}
+    assert bench.floors(row, one_expert_bytes=350) == ([200], 400)
