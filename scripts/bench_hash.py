@@ -6,8 +6,9 @@ experts on disk, device CPU, at each expert-cache budget, per mode:
 - ``hash_all``: hash prefetch of every predicted top-k expert (the filters off: `configure(min_confidence=0,
   min_precision=0, share_cap=False)`, what `prefetch="hash"` did before them); ``hash_before``: the same with the
   decode step through `nn.LSTM` as before (`one_token_cells = False`): the "before" timings;
-- ``hash``: hash prefetch with the default filters (confidence, per-layer share, per-layer shut-off);
-- ``hash@C``: the same with `min_confidence=C` (``--confidence``).
+- ``hash``: hash prefetch with the default filters (confidence, per-layer shut-off);
+- ``hash@C``: the same with `min_confidence=C` (``--confidence``); ``hash_cap``: the same with the per-layer
+  share (`share_cap=True`).
 
 Reported per mode: the cache hit rate, demand misses and KB moved per generated token (counts: they depend on timing
 only through which prefetches have landed when a slot is chosen), the cache's prefetch issued / hit / wasted
@@ -60,13 +61,15 @@ def run(mode: str, budget: str, args, prompts: list[str], tokenizer, reference: 
         engine.prefetcher.configure(min_confidence=0.0, min_precision=0.0, share_cap=False)
     if mode == "hash_before":     # and the LSTM step through nn.LSTM (oneDNN), as before commit 047bb32
         engine.prefetcher.predictor.one_token_cells = False
+    elif mode == "hash_cap":
+        engine.prefetcher.configure(share_cap=True)
     elif mode.startswith("hash@"):
         engine.prefetcher.configure(min_confidence=float(mode[5:]))
     generate_all(model, tokenizer, prompts[:1], 1, 2)                      # warm-up
     timings = []
     for rep in range(args.repeat):
         if mode.startswith("hash"):   # each repeat starts with fresh precision tracking, as a new model would
-            engine.prefetcher.configure()
+            engine.prefetcher.configure(min_samples=engine.prefetcher.min_samples)
         engine.reset_stats()
         outputs, seconds, tokens = generate_all(model, tokenizer, prompts, args.batch_size, args.new_tokens)
         snap = engine.stats_snapshot()

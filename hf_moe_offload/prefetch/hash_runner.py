@@ -15,8 +15,9 @@ would have hit:
 - *confidence*: of a layer's predicted top-k experts (union over the pass's tokens), only those whose estimated
   chance of being routed, 1 - prod over tokens (1 - min(1, k * p)) with p the predicted router probability, reaches
   `min_confidence`; most likely first;
-- *share*: at most `num_slots // (LOOKAHEAD_LAYERS + 1)` (at least top-k) per layer ahead, so the layer computing
-  keeps its share of the cache (the cache itself never lets a prefetch evict an expert needed sooner);
+- *share* (opt-in, `share_cap=True`): at most `num_slots // (LOOKAHEAD_LAYERS + 1)` (at least top-k) per layer
+  ahead. Off by default: the cache already never lets a prefetch evict an expert needed sooner, and on the demo
+  model the cap lowered the hit rate at batch 4 (docs/benchmarks.md);
 - *per-layer shut-off*: each layer's precision (confident predictions the router then chose, over the last
   `precision_window`) is tracked online, also while the layer is off; a layer under `min_precision` is not
   prefetched until it climbs back.
@@ -95,7 +96,7 @@ class HashPrefetcher(LayerHook):
     def __init__(self, engine, predictor: nn.Module, routing: str = "router", *,
                  min_confidence: float = MIN_CONFIDENCE, min_precision: float = MIN_PRECISION,
                  precision_window: int = PRECISION_WINDOW, min_samples: int = MIN_SAMPLES,
-                 share_cap: bool = True):
+                 share_cap: bool = False):
         self.engine, self.predictor, self.routing = engine, predictor, routing
         self.prefetches = engine.policy.prefetch == "hash"   # a predictor may serve routing="predicted" alone
         model, arch = engine.model, engine.arch
@@ -128,8 +129,8 @@ class HashPrefetcher(LayerHook):
     def configure(self, *, min_confidence: float | None = None, min_precision: float | None = None,
                   precision_window: int | None = None, min_samples: int | None = None,
                   share_cap: bool | None = None) -> None:
-        """Change the prefetch filters (None keeps a value); `min_confidence=0, min_precision=0, share_cap=False`
-        prefetches every predicted top-k expert, as before the filters existed. Resets the precision tracking.
+        """Change the prefetch filters (None keeps a value); `min_confidence=0, min_precision=0` prefetches every
+        predicted top-k expert, as before the filters existed. Resets the precision tracking.
 
         >>> prefetcher.configure(min_confidence=0.7, min_precision=0.6)                 # doctest: +SKIP
         """
@@ -149,7 +150,7 @@ class HashPrefetcher(LayerHook):
         if self.min_samples > self.precision_window:
             raise ValueError(f"min_samples ({self.min_samples}) must not exceed precision_window "
                              f"({self.precision_window})")
-        self.share_cap = bool(share_cap) if share_cap is not None else getattr(self, "share_cap", True)
+        self.share_cap = bool(share_cap) if share_cap is not None else getattr(self, "share_cap", False)
         self._outcomes = {layer: deque(maxlen=self.precision_window) for layer in self.order}
         self._off: set[int] = set()
 
