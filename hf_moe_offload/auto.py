@@ -21,6 +21,8 @@ import torch
 from .policy import (AUTO, DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, DEFAULT_STREAM_WINDOW, OffloadPolicy,
                      PolicyError, format_bytes, normalize_device, parse_size)
 
+from .placement import check_placement
+
 logger = logging.getLogger(__name__)
 
 HOST_HEADROOM = 0.15        # share of available RAM kept free when deciding the store or a CPU cache
@@ -57,6 +59,7 @@ class Footprint:
     # experts there are freed when offloading releases them, a resident part there is already out of free memory.
     experts_device: str | None = None
     resident_device: str | None = None
+    layer_experts: tuple[int, ...] = ()   # experts per MoE layer, forward order (resident_layers' budget)
 
     @property
     def min_cache_bytes(self) -> int:
@@ -158,7 +161,9 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     else:
         cache = _given_cache(policy.expert_cache, fp, zero_copy)
     cache = min(cache, fp.expert_bytes)
-    if not zero_copy and cache < fp.min_cache_bytes:
+    # expert_compute and resident_layers (placement.py): the resident layers' budget; "cpu" needs no working set.
+    cache = check_placement(policy, fp.layer_experts, fp.slab_bytes, fp.top_k, cache, zero_copy)
+    if not zero_copy and policy.expert_compute != "cpu" and cache < fp.min_cache_bytes:
         raise PolicyError(f"expert_cache={format_bytes(cache)} is smaller than one layer's top-k working set: "
                           f"top_k={fp.top_k} x {format_bytes(fp.slab_bytes)} per expert = "
                           f"{format_bytes(fp.min_cache_bytes)}; use at least expert_cache={fp.min_cache_bytes}")

@@ -18,6 +18,14 @@ layer computing now (the layer-aware order), never what that layer or the next s
 
 When the store already lives in the compute device's memory (CPU store, CPU device), there is nothing to move:
 the cache hands out the store's slabs directly ("zero-copy") and allocates no slots.
+
+CPU compute of missing experts (`expert_compute`, see `placement.py`): instead of a device slot, `fetch` may yield
+an expert's HOST slab (the CPU store's own copy, or a disk read into one of two reusable host buffers); the
+forward computes an expert where its weights are, so only its tokens move. "cpu" does so for every expert that is
+not resident, "auto" when the measured CPU time beats the measured copy. Such experts are yielded after the
+resident ones (their compute overlaps the copies in flight) and before the copies. `resident_layers=N` loads the
+experts of the first N MoE layers at construction and pins them for good (llama.cpp's static split).
+`zero_copy=False` forces slots on a CPU store with a CPU device, so that both paths run on a machine without a GPU.
 """
 
 from __future__ import annotations
@@ -33,10 +41,15 @@ import torch
 
 from .copy_engine import make_copy_engine
 from .eviction import EvictionPolicy, Key, make_eviction
+from .placement import ExpertPlacement
+from .policy import PolicyError
 from .stats import OffloadStats
 from .store import ExpertStore
 
 logger = logging.getLogger(__name__)
+
+EXPERT_COMPUTES = ("device", "cpu", "auto")
+HOST_BUFFERS = 2      # disk reads for CPU compute: the next expert's read overlaps this one's compute
 
 
 @dataclass(eq=False)
@@ -49,6 +62,7 @@ class Slot:
     load: object | None = None        # the in-flight load (a copy-engine handle), None once landed
     release: object | None = None     # marker after the compute that last read this slot (a CUDA event)
     prefetched: bool = False          # brought in by a prefetch and not used yet
+    permanent: bool = False           # a resident layer's expert: pinned for good, never evicted
 
 
 class ExpertCache:
@@ -57,24 +71,57 @@ class ExpertCache:
     Example:
         >>> cache = ExpertCache(store, torch.device("cpu"), 2**28, "lru", stats)  # doctest: +SKIP
         >>> for expert, slab in cache.fetch(layer=0, experts=[1, 5]): ...        # doctest: +SKIP
+        >>> cache = ExpertCache(store, torch.device("cuda:0"), 2**34, "layer", stats, expert_compute="auto",
+        ...                     resident_layers=4)                                 # doctest: +SKIP
     """
 
     def __init__(self, store: ExpertStore, device: torch.device, budget_bytes: int,
-                 eviction: str | EvictionPolicy, stats: OffloadStats):
+                 eviction: str | EvictionPolicy, stats: OffloadStats, expert_compute: str = "device",
+                 resident_layers: int = 0, zero_copy: bool | None = None,
+                 placement: ExpertPlacement | None = None):
+        """`expert_compute`: "device" | "cpu" | "auto" (module docstring); `resident_layers`: the first N MoE layers'
+        experts loaded now and never evicted; `zero_copy`: None decides (CPU store and CPU device), False forces
+        slots; `placement`: the "auto" decision with injected measurements (default: calibrated here)."""
+        if expert_compute not in EXPERT_COMPUTES:
+            raise ValueError(f"expert_compute={expert_compute!r} is not allowed; allowed: {list(EXPERT_COMPUTES)}")
+        can_zero_copy = device.type == "cpu" and store.in_host_memory
+        if zero_copy and not can_zero_copy:
+            raise ValueError(f"zero_copy=True needs a store in host memory and the CPU device (got a "
+                             f"{type(store).__name__} and device={device})")
+        if not 0 <= resident_layers <= len(store.layouts):
+            raise PolicyError(f"resident_layers={resident_layers} is not allowed for a model with "
+                              f"{len(store.layouts)} MoE layers; allowed: 0 to {len(store.layouts)}")
         self.store, self.device, self.stats = store, device, stats
+        self.expert_compute = expert_compute
         self.eviction = eviction if isinstance(eviction, EvictionPolicy) else \
             make_eviction(eviction, num_layers=len(store.layouts))
         # A streamed pass visits every layer in forward order, so what is needed furthest away is known: the
         # layer-aware order, whatever policy serves the on-demand passes.
         self.stream_eviction = make_eviction("layer", num_layers=len(store.layouts))
-        self.zero_copy = device.type == "cpu" and store.in_host_memory
+        self.zero_copy = can_zero_copy if zero_copy is None else zero_copy
         self.slot_numel = max(lay.numel for lay in store.layouts)
         self.slot_bytes = self.slot_numel * store.dtype.itemsize
         self.num_slots = 0 if self.zero_copy else budget_bytes // self.slot_bytes
+        # Zero-copy: every expert is in place already, so there is nothing to pin or to decide.
+        self.resident_layers = 0 if self.zero_copy else resident_layers
+        pinned_for_good = sum(store.num_experts[:self.resident_layers])
+        others_copy = expert_compute != "cpu" and self.resident_layers < len(store.layouts)
+        if self.resident_layers and self.num_slots < pinned_for_good + others_copy:   # before allocating
+            raise PolicyError(f"an expert cache of {self.num_slots} slots ({budget_bytes} bytes) cannot hold "
+                              f"resident_layers={resident_layers} ({pinned_for_good} experts)"
+                              f"{' and still load the other layers' if others_copy else ''}; use at least "
+                              f"{(pinned_for_good + others_copy) * self.slot_bytes} bytes, or fewer "
+                              f"resident_layers")
         stats.capacity_bytes = self.num_slots * self.slot_bytes
         with torch.inference_mode(False):   # a model built under inference mode must still copy into its slots
             self.memory = torch.empty(self.num_slots, self.slot_numel, dtype=store.dtype, device=device)
         self.copy = None if self.zero_copy else make_copy_engine(store, device)
+        self.placement = None
+        if expert_compute == "auto" and not self.zero_copy:
+            self.placement = placement or ExpertPlacement.calibrated(device, store.dtype, self.slot_numel,
+                                                                     store.in_host_memory, self.copy.meter)
+            stats.placement = self.placement.measurements
+        self._host_buffers: list[torch.Tensor] = []   # disk reads of experts computed on the CPU, made on first use
         self.slots = [Slot(i) for i in range(self.num_slots)]
         self.free = self.slots[::-1]                             # a stack: slot 0 is handed out first
         self.resident: dict[Key, Slot] = {}                      # resident or loading
@@ -88,15 +135,19 @@ class ExpertCache:
         # On CUDA a wait does not block the host, the compute stream does: stalls are timed there, by an event
         # pair around each wait, and added to the stats once both events have run.
         self._device_stalls: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
+        if self.resident_layers:
+            self._load_resident_layers()
 
     # -- public -------------------------------------------------------------------------------------------------
 
-    def fetch(self, layer: int, experts: Sequence[int], on_pinned: Callable[[], None] | None = None
-              ) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield (expert, flat slab on the device) for each expert, resident ones first.
+    def fetch(self, layer: int, experts: Sequence[int], on_pinned: Callable[[], None] | None = None,
+              tokens: Sequence[int] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (expert, flat slab on the device) for each expert, resident ones first; an expert computed on the
+        CPU (`expert_compute`) comes as a flat slab in host memory instead.
 
         `on_pinned` runs once this layer's experts are pinned and their loads issued: the moment to prefetch for
-        later layers without evicting anything this layer needs. The cache's lock is held until the generator is
+        later layers without evicting anything this layer needs. `tokens[i]`: how many tokens `experts[i]` serves
+        (what `expert_compute="auto"` weighs; None: one each). The cache's lock is held until the generator is
         exhausted or closed.
         """
         if self.zero_copy:
@@ -107,7 +158,7 @@ class ExpertCache:
                 yield e, self.store.host_slab(layer, e)
             return
         with self.lock:
-            yield from self._fetch_locked(layer, experts, on_pinned)
+            yield from self._fetch_locked(layer, experts, on_pinned, tokens)
 
     def begin_pass(self, window: int | None, ahead_room: int | None = None) -> None:
         """A forward pass starts: `window` bounds its loads in flight (None: no bound, on-demand schedule);
@@ -120,7 +171,7 @@ class ExpertCache:
     def read_ahead(self, layer: int, experts: Sequence[int]) -> None:
         """Queue `experts` of `layer` (the next one) to load, in order, into the window while the current layer
         computes; replaces any earlier queue. Exact: the router still decides, a wrong guess costs bytes."""
-        if self.zero_copy:
+        if self.zero_copy or self.expert_compute == "cpu":   # "cpu" copies nothing but the resident layers
             return
         with self.lock:
             self.ahead = [(layer, e) for e in experts if (layer, e) not in self.resident]
@@ -128,7 +179,7 @@ class ExpertCache:
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         """Start loading `experts` of `layer` ahead of need, into free slots or slots whose expert is neither in
         use, nor in flight, nor itself prefetched and unused. Never exceeds the budget. Returns loads started."""
-        if self.zero_copy:
+        if self.zero_copy or self.expert_compute == "cpu":   # "cpu" copies nothing but the resident layers
             return 0
         started = 0
         with self.lock:
@@ -150,13 +201,14 @@ class ExpertCache:
                     self._wait_quietly(slot)
                 self.copy.close()
             self.memory = torch.empty(0)
+            self._host_buffers.clear()
             self.resident.clear()
             self.recency.clear()
 
     # -- one fetch, under the lock ------------------------------------------------------------------------------
 
-    def _fetch_locked(self, layer: int, experts: Sequence[int], on_pinned: Callable[[], None] | None
-                      ) -> Iterator[tuple[int, torch.Tensor]]:
+    def _fetch_locked(self, layer: int, experts: Sequence[int], on_pinned: Callable[[], None] | None,
+                      tokens: Sequence[int] | None) -> Iterator[tuple[int, torch.Tensor]]:
         numel = self.store.layouts[layer].numel
         self.current_layer = layer
         self.ahead = [key for key in self.ahead if key[0] != layer]   # queued for this layer: its demand covers it
@@ -168,7 +220,10 @@ class ExpertCache:
                 self.stats.record_prefetch_hit(layer)
         landed = [k for k in keys if k in self.resident and self.resident[k].load is None]
         issued = [k for k in keys if k in self.resident and k not in landed]   # already on their way (prefetched)
-        pending = [k for k in keys if k not in self.resident]                 # to load, in order
+        missing = [k for k in keys if k not in self.resident]
+        tokens_of = dict(zip(keys, tokens)) if tokens is not None else {}
+        on_cpu = [k for k in missing if self._computes_on_cpu(k, tokens_of.get(k, 1))]
+        pending = [k for k in missing if k not in set(on_cpu)]                # to load, in order
         total = len(issued) + len(pending)
         pinned: list[Key] = []                   # pins this fetch holds, dropped as it moves on
         for key in landed + issued:              # pinned now: nothing this layer needs can be evicted for it
@@ -182,6 +237,8 @@ class ExpertCache:
                 yield key[1], self.memory[self.resident[key].index][:numel]
                 self._unpin(key, pinned)
                 self._top_up(pending, issued, pinned, served=0)
+            if on_cpu:                           # while the copies of this layer's other misses are in flight
+                yield from self._compute_on_cpu(on_cpu, tokens_of, pending, issued, pinned)
             for done in range(total):
                 if done >= len(issued):          # every slot was pinned by earlier loads: now some are free
                     self._issue(pending, issued, pinned, served=done)
@@ -201,6 +258,88 @@ class ExpertCache:
                     self._wait_quietly(slot)
             for key in list(pinned):
                 self._unpin(key, pinned)
+
+    def _computes_on_cpu(self, key: Key, tokens: int) -> bool:
+        """Whether missing expert `key` with `tokens` tokens computes on the CPU instead of being copied."""
+        if self.expert_compute == "device" or key[0] < self.resident_layers:
+            return False                         # (a resident layer's expert is missing only after a failed read)
+        if self.expert_compute == "cpu":
+            return True
+        nbytes, numel = self.store.slab_bytes(key[0]), self.store.layouts[key[0]].numel
+        self.placement.log_rule(nbytes, numel)
+        return self.placement.on_cpu(nbytes, numel, tokens)
+
+    def _compute_on_cpu(self, keys: list[Key], tokens_of: dict[Key, int], pending: list[Key], issued: list[Key],
+                        pinned: list[Key]) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield the host slabs of `keys`: the store's own (host store) or read into the host buffers, the next
+        read running while this expert computes. Each expert's compute is timed from its yield to the resume."""
+        host_store = self.store.in_host_memory
+        buffers = [] if host_store else self._host_buffer_pool()
+        reads: dict[int, object] = {}
+
+        def start_read(i: int) -> None:
+            if buffers and i < len(keys):
+                layer, expert = keys[i]
+                reads[i] = self.copy.read_host(layer, expert, buffers[i % len(buffers)])
+
+        for i in range(len(buffers)):
+            start_read(i)
+        try:
+            for i, key in enumerate(keys):
+                layer, expert = key
+                numel = self.store.layouts[layer].numel
+                self.stats.record_cpu_compute(layer, 0 if host_store else self.store.slab_bytes(layer))
+                if host_store:
+                    slab = self.store.host_slab(layer, expert)
+                else:
+                    waited = time.perf_counter()
+                    reads.pop(i).wait()          # a failed read raises here; nothing is resident to clean up
+                    self.stats.record_stall(layer, time.perf_counter() - waited)
+                    slab = buffers[i % len(buffers)][:numel]
+                if self.device.type == "cuda":
+                    # The forward's token gather waits for the device's queued work anyway: wait here, so that
+                    # the timer below measures the CPU compute, not the GPU queue.
+                    torch.cuda.current_stream(self.device).synchronize()
+                started = time.perf_counter()
+                yield expert, slab
+                seconds = time.perf_counter() - started
+                self.stats.record_cpu_time(layer, seconds)
+                if self.placement is not None:
+                    self.placement.record_cpu(tokens_of.get(key, 1), seconds)
+                start_read(i + len(buffers))     # its buffer was read by the compute that just finished
+                self._top_up(pending, issued, pinned, served=0)
+        finally:
+            for load in reads.values():          # stopped early or failed: no read may land in a reused buffer
+                try:
+                    load.wait()
+                except Exception:
+                    pass
+
+    def _host_buffer_pool(self) -> list[torch.Tensor]:
+        if not self._host_buffers:
+            with torch.inference_mode(False):    # written by reader threads, read under no_grad
+                self._host_buffers = [torch.empty(self.slot_numel, dtype=self.store.dtype)
+                                      for _ in range(HOST_BUFFERS)]
+        return self._host_buffers
+
+    def _load_resident_layers(self) -> None:
+        """Load every expert of the first `resident_layers` MoE layers and pin them for good."""
+        keys = [(layer, e) for layer in range(self.resident_layers) for e in range(self.store.num_experts[layer])]
+        try:
+            for key in keys:
+                slot = self.free.pop()
+                self._load(slot, key, demand=True)
+                slot.permanent, slot.pins = True, 1
+            for key in keys:
+                self._wait(self.resident[key])
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            self._loaded_this_pass.clear()
+        logger.info("hf_moe_offload: resident_layers=%d: %d experts (%d bytes) loaded into the device cache and "
+                    "pinned for good; %d slots left for the other layers", self.resident_layers, len(keys),
+                    len(keys) * self.slot_bytes, len(self.free))
 
     def _top_up(self, pending: list[Key], issued: list[Key], pinned: list[Key], served: int) -> None:
         """This layer's missing experts first, then the read-ahead queue, within the window."""
@@ -226,6 +365,8 @@ class ExpertCache:
             key = pending.pop(0)
             self._load(slot, key, demand=True)
             self._pin(key, pinned)
+            if key[0] < self.resident_layers:    # read again after a failed read: pinned for good again
+                slot.permanent, slot.pins = True, slot.pins + 1
             self.stats.record_miss(key[0], self.store.slab_bytes(key[0]))
             issued.append(key)
 
@@ -326,7 +467,7 @@ class ExpertCache:
         """The slot no longer holds its key (its memory may still be read by queued compute: `release` stays)."""
         del self.resident[slot.key]
         self.recency.pop(slot.key, None)
-        slot.key, slot.pins, slot.load, slot.prefetched = None, 0, None, False
+        slot.key, slot.pins, slot.load, slot.prefetched, slot.permanent = None, 0, None, False, False
 
     def _reap_finished_loads(self) -> None:
         """Prefetched loads that nobody waited for yet: once landed, their slots are ordinary residents."""

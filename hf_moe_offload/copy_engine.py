@@ -8,7 +8,9 @@
   overlap with expert compute on the CPU.
 
 Both serve demand loads before queued prefetch loads (`load(..., demand=False)`), and a failed read is raised by
-every `wait()` of its handle while the engine goes on serving other loads.
+every `wait()` of its handle while the engine goes on serving other loads. Each engine measures its own copies
+(`meter`, a `placement.TransferMeter`): the host-to-device bandwidth that `expert_compute="auto"` weighs against
+CPU compute. `read_host` reads an expert into a host buffer on the same readers, for an expert computed on the CPU.
 
 Example:
     >>> engine = make_copy_engine(store, torch.device("cpu"))    # doctest: +SKIP
@@ -21,11 +23,13 @@ import heapq
 import itertools
 import queue
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
+from .placement import TransferMeter
 from .store import ExpertStore, HostMemory
 
 # Disk reads of different experts run in parallel: SSDs serve several requests at once far faster than one.
@@ -102,12 +106,22 @@ class CpuCopyEngine:
     def __init__(self, store: ExpertStore, readers: int | None = None):
         """`readers`: threads reading at once (default: 1 for a host store, `DISK_READERS` for a disk store)."""
         self.store = store
+        self.meter = TransferMeter()
         self._readers = PriorityReaders(readers or (1 if store.in_host_memory else DISK_READERS))
 
     def load(self, layer: int, expert: int, slot: torch.Tensor, after: object | None = None,
              demand: bool = True) -> CpuLoad:
         """Fill `slot` with the expert's slab; `demand=False` (a prefetch) yields to queued demand loads."""
-        return CpuLoad(self._readers.submit(lambda: self.store.read_into(layer, expert, slot), demand))
+        return CpuLoad(self._readers.submit(lambda: self._timed_read(layer, expert, slot), demand))
+
+    def read_host(self, layer: int, expert: int, buffer: torch.Tensor) -> CpuLoad:
+        """Read the expert into the host `buffer` (an expert computed on the CPU), as a demand load."""
+        return CpuLoad(self._readers.submit(lambda: self.store.read_into(layer, expert, buffer), True))
+
+    def _timed_read(self, layer: int, expert: int, slot: torch.Tensor) -> None:
+        start = time.perf_counter()
+        self.store.read_into(layer, expert, slot)
+        self.meter.record(self.store.slab_bytes(layer), time.perf_counter() - start)
 
     def release_marker(self, device: torch.device) -> None:
         return None   # compute on the CPU is synchronous: a slot is free as soon as its expert returned
@@ -182,6 +196,7 @@ class CudaCopyEngine:
     def __init__(self, store: ExpertStore, device: torch.device, readers: int = DISK_READERS):
         """`readers`: disk reads at once (a disk store gets `readers + 1` pinned staging buffers of one slab)."""
         self.store, self.device = store, device
+        self.meter = TransferMeter()
         self._memory = HostMemory(device)
         self._readers: PriorityReaders | None = None
         self._staging: StagingBuffers | None = None
@@ -203,14 +218,26 @@ class CudaCopyEngine:
         future = self._readers.submit(lambda: self._read_and_copy(layer, expert, slot, after), demand)
         return CudaLoad(self.device, future=future)
 
+    def read_host(self, layer: int, expert: int, buffer: torch.Tensor) -> CpuLoad:
+        """Read the expert into the host `buffer` (an expert computed on the CPU), on the disk readers as a demand
+        read (on the calling thread for a host store, which has no readers and needs none: `host_slab`)."""
+        if self._readers is None:
+            future: Future = Future()
+            future.set_result(self.store.read_into(layer, expert, buffer))
+            return CpuLoad(future)
+        return CpuLoad(self._readers.submit(lambda: self.store.read_into(layer, expert, buffer), True))
+
     def _copy(self, host: torch.Tensor, slot: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
         """Issue the copy on the copy stream (under this device, so a reader thread touches no other GPU)."""
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             if after is not None:
                 self.stream.wait_event(after)      # the compute that last read this slot is done
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.stream)
             slot[:host.numel()].copy_(host, non_blocking=True)
-            event = torch.cuda.Event()
+            event = torch.cuda.Event(enable_timing=True)   # timed: the copy's bandwidth feeds expert_compute="auto"
             event.record(self.stream)
+        self.meter.record_events(start, event, host.nbytes)
         return event
 
     def _read_and_copy(self, layer: int, expert: int, slot: torch.Tensor,

@@ -37,10 +37,11 @@ class LayerRuntime:
     def __init__(self, engine: "OffloadEngine", layer: MoELayer):
         self.engine, self.layer = engine, layer
 
-    def fetch(self, experts: Sequence[int], hidden_states: torch.Tensor | None = None
-              ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-        """Yield (expert, named weight views on the device), resident experts first; close it when done early.
-        `hidden_states` [tokens, hidden] is the layer's input, shown to the hooks (read-ahead uses it)."""
+    def fetch(self, experts: Sequence[int], hidden_states: torch.Tensor | None = None,
+              tokens: Sequence[int] | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Yield (expert, named weight views on the device, or in host memory for an expert computed on the CPU),
+        resident experts first; close it when done early. `hidden_states` [tokens, hidden] is the layer's input,
+        shown to the hooks (read-ahead uses it); `tokens[i]`: rows routed to `experts[i]` (expert_compute="auto")."""
         index, hooks = self.layer.index, self.engine.hooks
         self.engine.stats.record_forward(index, len(experts))
         if hidden_states is not None:
@@ -54,7 +55,7 @@ class LayerRuntime:
                 hook.on_pinned(index)
 
         layout = self.engine.store.layouts[index]     # the store's: quantized slabs give `QuantizedWeight`s
-        for expert, slab in self.engine.cache.fetch(index, experts, on_pinned if hooks else None):
+        for expert, slab in self.engine.cache.fetch(index, experts, on_pinned if hooks else None, tokens):
             yield expert, layout.views(slab)
         for hook in hooks:
             hook.on_layer_done(index)
@@ -95,7 +96,8 @@ class OffloadEngine:
             torch.cuda.empty_cache()              # the released experts' blocks, before the cache asks for its own
         stats = OffloadStats(num_layers=len(layers))
         try:
-            cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats)
+            cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats, policy.expert_compute,
+                                policy.resident_layers)
         except BaseException:                     # e.g. out of device memory: give the experts back, unchanged
             for layer in layers:
                 arch.set_expert_params(layer.module, read_layer_experts(store, layer, restore_to))

@@ -99,7 +99,8 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     rows_of = group_by_expert(top_k_index.reshape(-1), self.num_experts)   # (token, slot) rows per expert
 
     out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-    with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of), hidden_states)) as fetched:
+    tokens = [rows.numel() for rows in rows_of.values()]          # what expert_compute="auto" weighs
+    with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of), hidden_states, tokens)) as fetched:
         weighted = hidden_states.new_empty(num_tokens * k, hidden, dtype=out_dtype)   # [T*k, H], every row written
         for expert, weights in fetched:
             rows = rows_of[expert]                                # [n] rows of this expert
@@ -132,7 +133,9 @@ class OffloadedSwitchExperts(nn.Module):
         mask = selected_experts[:, 0, :].bool()                   # [T, E]
         assigned = torch.where(mask.any(dim=1), mask.float().argmax(dim=1), -1)   # [T] expert or -1
         tokens_of = group_by_expert(assigned, self.num_experts)
-        with _expert_compute(), contextlib.closing(self.runtime.fetch(list(tokens_of), hidden_states)) as fetched:
+        counts = [tokens.numel() for tokens in tokens_of.values()]   # what expert_compute="auto" weighs
+        with _expert_compute(), contextlib.closing(self.runtime.fetch(list(tokens_of), hidden_states,
+                                                                       counts)) as fetched:
             out = torch.zeros_like(hidden_states)
             for expert, weights in fetched:
                 tokens = tokens_of[expert]                        # [n]

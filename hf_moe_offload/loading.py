@@ -184,7 +184,7 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
         slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
         experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k,
-                     **sequence_costs(model.config, dtype))
+                     layer_experts=tuple(lay.num_experts for lay in layers), **sequence_costs(model.config, dtype))
 
 
 def refuse_quantized_checkpoint(config) -> None:
