@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import hf_moe_offload
@@ -183,3 +184,84 @@ def test_on_pinned_runs_after_this_layers_experts_are_safe():
 
 def _run_with(cache, experts, on_pinned):
     return [e for e, _ in cache.fetch(0, experts, on_pinned=on_pinned)]
+
+
+# -- CPU compute of missing experts and resident layers (expert_compute, resident_layers) ---------------------------
+
+def _host_store(num_layers: int = 1) -> CpuStore:
+    """A real CpuStore on the CPU whose slab (l, e) holds 10 l + e."""
+    store = CpuStore.allocate([SlabLayout((("w", (16,)),))] * num_layers, [6] * num_layers, torch.float32)
+    for layer, slabs in enumerate(store.slabs):
+        for e in range(6):
+            slabs[e].fill_(10.0 * layer + e)
+    return store
+
+
+def test_forced_slots_on_a_cpu_store_cpu_compute_yields_the_host_copy_and_device_copies():
+    """zero_copy=False: the CPU-only stand-in for a GPU. 'cpu' hands out the store's own slab; 'device' a slot."""
+    for compute in ("cpu", "device"):
+        store = _host_store()
+        cache = ExpertCache(store, torch.device("cpu"), 3 * 64, "lru", OffloadStats(1, 3 * 64),
+                            expert_compute=compute, zero_copy=False)
+        assert not cache.zero_copy and cache.num_slots == 3
+        got = {e: slab for e, slab in cache.fetch(0, [4, 1], tokens=[1, 2])}
+        assert all(torch.all(got[e] == e) for e in (1, 4))
+        in_store = all(got[e].data_ptr() == store.host_slab(0, e).data_ptr() for e in (1, 4))
+        snap = cache.stats.snapshot()
+        if compute == "cpu":
+            assert in_store and not cache.resident
+            assert (snap["cpu_computed"], snap["misses"], snap["bytes_to_device"]) == (2, 0, 0)
+            assert snap["cpu_bytes_read"] == 0            # computed in place: nothing read
+        else:
+            assert not in_store and {k[1] for k in cache.resident} == {1, 4}
+            assert (snap["cpu_computed"], snap["misses"], snap["bytes_to_device"]) == (0, 2, 2 * 64)
+
+
+def test_cpu_compute_from_disk_reads_into_reused_host_buffers_and_resident_experts_still_come_first():
+    cache, store = _cache(slots=2)
+    _run(cache, [3])                                   # 3 becomes resident (expert_compute="device")
+    cache.expert_compute = "cpu"
+    assert _run(cache, [0, 3, 1, 2, 5]) == [3, 0, 1, 2, 5]   # resident first, then the CPU ones in order
+    assert sorted(store.reads) == [0, 1, 2, 3, 5]     # each read once, into a host buffer, not a slot
+    assert {k[1] for k in cache.resident} == {3} and len(cache._host_buffers) == 2
+    snap = cache.stats.snapshot()
+    assert (snap["hits"], snap["cpu_computed"], snap["cpu_bytes_read"]) == (1, 4, 4 * 64)
+    assert snap["bytes_to_device"] == 64               # only the first copy of 3
+
+
+def test_a_failed_cpu_read_raises_and_the_next_fetch_reads_again():
+    class FailingOnce(CountingStore):
+        failed = False
+
+        def read_into(self, layer, expert, dst):
+            if expert == 1 and not self.failed:
+                self.failed = True
+                raise OSError("disk hiccup")
+            super().read_into(layer, expert, dst)
+
+    store = FailingOnce()
+    cache = ExpertCache(store, torch.device("cpu"), 2 * 64, "lru", OffloadStats(1, 128), expert_compute="cpu")
+    with pytest.raises(OSError, match="disk hiccup"):
+        _run(cache, [0, 1, 2])
+    assert _run(cache, [1]) == [1]                    # read again, right bytes
+    gen = cache.fetch(0, [4, 5, 0])                   # stopped early with reads in flight: nothing breaks
+    next(gen)
+    gen.close()
+    assert sorted(_run(cache, [5, 0])) == [0, 5]
+
+
+def test_resident_layers_stay_for_good_under_pressure_and_a_too_small_cache_is_refused():
+    store = _host_store(num_layers=3)
+    stats = OffloadStats(3, 8 * 64)
+    cache = ExpertCache(store, torch.device("cpu"), 8 * 64, "lru", stats, resident_layers=1, zero_copy=False)
+    assert {k for k in cache.resident} == {(0, e) for e in range(6)}
+    for layer in (1, 2, 0, 1, 2):                     # layers 1 and 2 churn through the 2 other slots
+        seen = [e for e, slab in cache.fetch(layer, [0, 3, 5]) if torch.all(slab == 10 * layer + e)]
+        assert sorted(seen) == [0, 3, 5]
+    assert {k for k in cache.resident if k[0] == 0} == {(0, e) for e in range(6)}
+    snap = stats.snapshot()
+    assert snap["per_layer"][0]["misses"] == snap["per_layer"][0]["evictions"] == 0
+    assert snap["per_layer"][0]["hits"] == 3 and snap["peak_cache_bytes"] <= 8 * 64
+    with pytest.raises(hf_moe_offload.PolicyError, match="use at least 448 bytes"):
+        ExpertCache(_host_store(2), torch.device("cpu"), 6 * 64, "lru", OffloadStats(2), resident_layers=1,
+                    zero_copy=False)
