@@ -633,3 +633,62 @@ def test_d22_stall_is_measured_when_the_copy_stream_is_held():
     print(f"stall_s with the copy stream held: {stall * 1000:.1f} ms")
     assert stall >= 0.02
     cache.close()
+
+
+# -- E. CPU compute of missing experts (expert_compute) and resident layers on the GPU ------------------------------
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen2_moe", "switch_transformers"])
+def test_e23_cpu_compute_gives_the_resident_tokens_and_moves_fewer_bytes(tiny_models, family, store):
+    """E23: expert_compute='cpu' with a CUDA device: same greedy tokens (left-padded batch of 3), misses computed
+    on the CPU from the host copy (nothing copied without resident layers), fewer bytes_to_device than 'device'."""
+    ids, mask = _ids(batch=3, left_pad=True)
+    expected = _generate(_resident(family, tiny_models[family]), ids, mask)
+    copied = _on_gpu(family, tiny_models[family], store=store, expert_cache="34%")
+    assert torch.equal(_generate(copied, ids, mask), expected)
+    on_cpu = _on_gpu(family, tiny_models[family], store=store, expert_compute="cpu")
+    assert torch.equal(_generate(on_cpu, ids, mask), expected)
+    snap, before = hf_moe_offload.stats(on_cpu), hf_moe_offload.stats(copied)
+    assert snap["cpu_computed"] == snap["experts_used"] > 0 and snap["cpu_compute_s"] > 0
+    assert snap["bytes_to_device"] == 0 < before["bytes_to_device"]
+    assert (snap["cpu_bytes_read"] > 0) == (store == "disk")
+
+
+@pytest.mark.parametrize("family", ["mixtral", "switch_transformers"])
+def test_e24_auto_and_resident_layers_give_the_resident_tokens(tiny_models, family):
+    """E24: expert_compute='auto' (calibrated on this machine) and resident_layers=1 with 'cpu' for the rest: same
+    tokens; the resident layer never misses; auto shows its measured inputs."""
+    ids, mask = _ids(batch=3, left_pad=True)
+    expected = _generate(_resident(family, tiny_models[family]), ids, mask)
+    auto = _on_gpu(family, tiny_models[family], store="cpu", expert_compute="auto", expert_cache="50%")
+    assert torch.equal(_generate(auto, ids, mask), expected)
+    snap = hf_moe_offload.stats(auto)
+    assert snap["hits"] + snap["misses"] + snap["cpu_computed"] == snap["experts_used"]
+    assert snap["h2d_bytes_per_s"] > 0 and snap["cpu_flops"] > 0
+    split = _on_gpu(family, tiny_models[family], store="disk", expert_compute="cpu", resident_layers=1)
+    assert torch.equal(_generate(split, ids, mask), expected)
+    snap = hf_moe_offload.stats(split)
+    assert snap["per_layer"][0]["misses"] == snap["per_layer"][0]["cpu_computed"] == 0
+    assert snap["per_layer"][0]["hits"] > 0 and snap["per_layer"][1]["cpu_computed"] > 0
+    assert snap["bytes_to_device"] == 0                # the resident layer was loaded at attach, nothing since
+
+
+def test_e25_cpu_compute_yields_the_pinned_host_slab_and_copies_nothing():
+    """E25: a missing expert under 'cpu' arrives as the store's own (pinned) host slab with the right values;
+    under 'auto' with injected slow-link measurements, one token goes to the CPU and 64 tokens are copied."""
+    from hf_moe_offload.placement import ExpertPlacement
+
+    store = _host_store(num_experts=4)
+    cache = ExpertCache(store, CUDA, 2 * store.slab_bytes(0), "lru", OffloadStats(1), expert_compute="cpu")
+    for e, slab in cache.fetch(0, [0, 3]):
+        assert slab.device.type == "cpu" and slab.data_ptr() == store.host_slab(0, e).data_ptr()
+        assert torch.all(slab == _value(0, e))
+    assert not cache.resident and cache.stats.snapshot()["bytes_to_device"] == 0
+    cache.close()
+    slow_link = ExpertPlacement(same_memory=False, host_store=True, h2d_bytes_per_s=1e6, host_bytes_per_s=1e10,
+                                cpu_flops=1e9)
+    cache = ExpertCache(store, CUDA, 2 * store.slab_bytes(0), "lru", OffloadStats(1), expert_compute="auto",
+                        placement=slow_link)
+    where = {e: slab.device.type for e, slab in cache.fetch(0, [1, 2], tokens=[1, 100_000])}
+    assert where == {1: "cpu", 2: "cuda"}
+    cache.close()
