@@ -232,3 +232,20 @@ def test_one_token_lstm_step_matches_nn_lstm_with_a_padded_row():
     for a, b in zip(fast_state.hc, slow_state.hc):
         torch.testing.assert_close(a, b)
     torch.testing.assert_close(fast_state.hc[0][:, 1], state.hc[0][:, 1])
+
+
+def test_decode_tables_come_from_the_greedy_guess_and_prefetch_the_first_layer(tiny_models, predictors):
+    """The next step's table is predicted from this step's greedy token while generate() picks it; a right guess
+    gives the table before the pass starts, so even the first MoE layer's experts are prefetched."""
+    ids, kwargs = _ids(1), dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    expected = reference("mixtral", tiny_models["mixtral"]).generate(ids, **kwargs)
+    model, engine, prefetcher = _hash_model(tiny_models, predictors, budget="25%")
+    prefetcher.configure(min_confidence=0.0, min_precision=0.0)
+    calls = _spy_prefetches(engine, prefetcher)
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    snap = hf_moe_offload.stats(model)
+    # greedy: every decode pass's guess is its token (the prefill's table cannot be guessed)
+    assert snap["hash_speculation_hits"] == kwargs["max_new_tokens"] - 1
+    assert snap["hash_speculated"] >= snap["hash_speculation_hits"]
+    assert snap["hash_tables"] == kwargs["max_new_tokens"]
+    assert any(layer == prefetcher.order[0] for layer, _, _ in calls)

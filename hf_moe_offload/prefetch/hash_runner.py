@@ -9,6 +9,12 @@ reaches the first MoE layer and, from then on, loads each layer's predicted expe
 - `routing="predicted"` (SiDA's serving mode, approximate): the predicted logits replace the router's, through the
   router's own softmax/top-k (a forward hook on the router module).
 
+Decode: step t+1's token exists only once step t's logits do, so as soon as they do (a forward hook on the model)
+the hash thread predicts step t+1's table from the greedy token, while generate() picks the token. At step t+1's
+start the guess is checked (on the CPU; on CUDA, where that would be a host sync, the hash thread checks it): right,
+the table is ready before the first MoE layer and even that layer's experts are prefetched; wrong (sampling), the
+table is predicted anew, and after 16 guesses with fewer than a quarter right no more guesses are made.
+
 Only predictions likely to be used are prefetched, since a wrong one costs a copy and may evict an expert that
 would have hit:
 
@@ -24,8 +30,9 @@ would have hit:
 
 `stats(model)` gains `hash_prefetch_issued` / `_used` / `_unused` (used or not by the pass they were issued for),
 `hash_skipped_low_confidence`, `hash_skipped_layer_off`, `hash_skipped_no_room`, `hash_layers_off`, `hash_tables`
-(tables built), `hash_tables_ready` (of those, ready when the first MoE layer asked: no wait), `predictor_s` (time
-building them) and `predictor_wait_s` (time the inference thread waited).
+(tables built), `hash_tables_ready` (of those, ready when first asked for: no wait), `hash_speculated` /
+`hash_speculation_hits` (next-token guesses made / right), `predictor_s` (time building tables) and
+`predictor_wait_s` (time the inference thread waited for them).
 
 Example:
     >>> model = AutoModelForCausalLM.from_pretrained(path, offload_policy={             # doctest: +SKIP
@@ -57,7 +64,8 @@ PRECISION_WINDOW = 64
 MIN_SAMPLES = 16
 
 _COUNTERS = ("hash_prefetch_issued", "hash_prefetch_used", "hash_prefetch_unused", "hash_skipped_low_confidence",
-             "hash_skipped_layer_off", "hash_skipped_no_room", "hash_tables", "hash_tables_ready")
+             "hash_skipped_layer_off", "hash_skipped_no_room", "hash_tables", "hash_tables_ready",
+             "hash_speculated", "hash_speculation_hits")
 
 
 @dataclass
@@ -82,6 +90,7 @@ class _CallerState:
     table: Prediction | None = None
     predicted: dict = field(default_factory=dict)   # layer -> confident predictions for this pass (issued or not)
     issued: dict = field(default_factory=dict)      # layer -> experts this pass prefetched for it
+    speculation: Future | None = None  # the next decode step's table, predicted from a guessed (greedy) token
 
 
 class HashPrefetcher(LayerHook):
@@ -119,7 +128,14 @@ class HashPrefetcher(LayerHook):
         self.predict_s = 0.0
         self.wait_s = 0.0
         self.counts = dict.fromkeys(_COUNTERS, 0)
+        self._guesses = self._right_guesses = 0              # next-token guesses checked, and right (not reset)
         self._hooks = [self.stream.register_forward_pre_hook(self._on_forward, with_kwargs=True)]
+        # Decode: the next token is known only after this pass's logits, so the next table is predicted from the
+        # greedy guess as soon as they exist (the model's forward hook), while generate() picks the token; the next
+        # pass uses it if the guess was right, else predicts anew.
+        self.speculates = bool(self.predictor.config.causal) and not model.config.is_encoder_decoder
+        if self.speculates:
+            self._hooks.append(model.register_forward_hook(self._on_logits))
         if routing == "predicted":
             for layer in engine.layers:
                 if layer.index in self.axis_of:
@@ -184,7 +200,80 @@ class HashPrefetcher(LayerHook):
         new_mask = None if mask is None else mask[:, -ids.shape[1]:]   # the mask of the tokens in this pass
         inputs_ready = _record_event(ids.device)             # the caller's stream has produced ids and mask
         caller.table = None
+        speculation, caller.speculation = caller.speculation, None
+        if speculation is not None and not new_sequence and ids.shape[1] == 1:
+            # Waited for here, before the pass's first MoE layer, so that layer's experts are prefetched too.
+            start, ready = time.perf_counter(), speculation.done()
+            guessed = speculation.result()[1]
+            with self._times_lock:
+                self.wait_s += time.perf_counter() - start
+            if ids.device.type == "cpu":                     # the guess checked here: free on the CPU
+                caller.pending = None
+                caller.table = self._confirm(caller, speculation, ids, new_mask, inputs_ready)
+                if caller.table is not None:
+                    with self._times_lock:
+                        self.counts["hash_tables_ready"] += ready
+                    self._prefetch_first_layers(caller, caller.table)
+                    return
+                caller.pending = self._pool.submit(self._predict, caller, ids, new_mask, False, inputs_ready)
+                return
+            # On CUDA the check would be a host sync: prefetch on the guess (a wrong one costs bytes, never
+            # tokens) and check it on the hash thread.
+            self._prefetch_first_layers(caller, guessed)
+            caller.pending = self._pool.submit(self._confirm_or_predict, caller, speculation, ids, new_mask,
+                                               inputs_ready)
+            return
         caller.pending = self._pool.submit(self._predict, caller, ids, new_mask, new_sequence, inputs_ready)
+
+    def _on_logits(self, module: nn.Module, args: tuple, output) -> None:
+        """After a decode pass of a causal LM: predict the next pass's table from its greedy token (a guess)."""
+        caller = self._caller()
+        logits = getattr(output, "logits", None)
+        if caller.pending is None and caller.table is None or logits is None or logits.dim() != 3:
+            return                                           # no prediction this pass (e.g. continuous batching)
+        if not self.prefetches or logits.shape[0] != caller.batch:
+            return
+        with self._times_lock:                               # sampling, not greedy: guesses rarely right, stop
+            if self._guesses >= 16 and self._right_guesses < self._guesses // 4:
+                return
+        guess = logits[:, -1:].argmax(dim=-1)                # [B, 1], on the logits' device
+        caller.speculation = self._pool.submit(self._speculate, caller, guess, _record_event(guess.device))
+
+    @torch.inference_mode()
+    def _speculate(self, caller: _CallerState, guess: torch.Tensor, inputs_ready):
+        """The table for token `guess` following the caller's state, without committing the state."""
+        start = time.perf_counter()
+        with _on_stream(self.cuda_stream, inputs_ready):
+            embeddings = self.embeddings(guess).to(self.predictor.device)
+            current, state = self.predictor.step(embeddings, None, caller.state)
+            table = self._table(current, None)
+        with self._times_lock:
+            self.predict_s += time.perf_counter() - start
+            self.counts["hash_speculated"] += 1
+        return guess, table, state
+
+    def _confirm(self, caller: _CallerState, speculation: Future, ids: torch.Tensor, mask: torch.Tensor | None,
+                 inputs_ready) -> Prediction | None:
+        """The speculated table if its guess is the token that came, every row unpadded; else None."""
+        guess, table, state = speculation.result()
+        with _on_stream(self.cuda_stream, inputs_ready):
+            right = guess.shape == ids.shape and bool(torch.equal(guess, ids.to(guess.device))) and \
+                (mask is None or bool(mask.all()))
+        with self._times_lock:
+            self._guesses += 1
+            self._right_guesses += right
+        if not right:
+            return None
+        caller.state = state
+        with self._times_lock:
+            self.counts["hash_speculation_hits"] += 1
+            self.counts["hash_tables"] += 1
+        return table
+
+    def _confirm_or_predict(self, caller: _CallerState, speculation: Future, ids: torch.Tensor,
+                            mask: torch.Tensor | None, inputs_ready) -> Prediction:
+        table = self._confirm(caller, speculation, ids, mask, inputs_ready)
+        return table if table is not None else self._predict(caller, ids, mask, False, inputs_ready)
 
     @torch.inference_mode()
     def _predict(self, caller: _CallerState, ids: torch.Tensor, mask: torch.Tensor | None, new_sequence: bool,
@@ -198,20 +287,25 @@ class HashPrefetcher(LayerHook):
                 current, caller.state = self.predictor.step(embeddings, mask, None if new_sequence else caller.state)
             else:                              # an encoder sees its whole input at once
                 current = self.predictor.predict(embeddings, mask)           # [B, n, layers, E]
-            flat = current.reshape(-1, *current.shape[2:])    # [B*n, layers, E]
-            valid = None if mask is None else mask.reshape(-1).bool()
-            chance = _chance_routed(flat, self.top_k, valid)  # [layers, E]
-            top = flat.topk(self.top_k, dim=-1).indices      # [B*n, layers, k]
-            if valid is not None:                            # padding routes nowhere (its row: any valid token's)
-                top = top[valid] if bool(valid.any()) else top[:0]
-            top, chance = top.cpu(), chance.cpu()            # host syncs of the hash thread, not of the model
-            ready = _record_event(flat.device)
-        experts = [sorted(set(top[:, i].reshape(-1).tolist())) for i in range(top.shape[1])]
-        ranked = [sorted(((e, float(chance[i, e])) for e in layer), key=lambda pair: -pair[1])
-                  for i, layer in enumerate(experts)]
+            table = self._table(current, mask)
         with self._times_lock:
             self.predict_s += time.perf_counter() - start
             self.counts["hash_tables"] += 1
+        return table
+
+    def _table(self, current: torch.Tensor, mask: torch.Tensor | None) -> Prediction:
+        """Logits [B, n, layers, E] -> the table: per layer the predicted experts, ranked by chance of use."""
+        flat = current.reshape(-1, *current.shape[2:])        # [B*n, layers, E]
+        valid = None if mask is None else mask.reshape(-1).bool()
+        chance = _chance_routed(flat, self.top_k, valid)      # [layers, E]
+        top = flat.topk(self.top_k, dim=-1).indices          # [B*n, layers, k]
+        if valid is not None:                                # padding routes nowhere (its row: any valid token's)
+            top = top[valid] if bool(valid.any()) else top[:0]
+        top, chance = top.cpu(), chance.cpu()                # host syncs of the hash thread, not of the model
+        ready = _record_event(flat.device)
+        experts = [sorted(set(top[:, i].reshape(-1).tolist())) for i in range(top.shape[1])]
+        ranked = [sorted(((e, float(chance[i, e])) for e in layer), key=lambda pair: -pair[1])
+                  for i, layer in enumerate(experts)]
         return Prediction(flat, experts, ready, ranked)
 
     # -- the inference thread ---------------------------------------------------------------------------------
@@ -261,11 +355,19 @@ class HashPrefetcher(LayerHook):
         table = self._current()
         if table is None:
             return
-        caller = self._caller()
+        position = self.order.index(layer)
+        self._plan(self._caller(), table, self.order[position + 1:position + 1 + LOOKAHEAD_LAYERS])
+
+    def _prefetch_first_layers(self, caller: _CallerState, table: Prediction) -> None:
+        """A table before the pass reaches any MoE layer (from the guessed token): prefetch the first layers too."""
+        if self.prefetches and not self.engine.cache.zero_copy:
+            with self.engine.cache.lock:
+                self._plan(caller, table, self.order[:LOOKAHEAD_LAYERS])
+
+    def _plan(self, caller: _CallerState, table: Prediction, layers: list[int]) -> None:
         cache = self.engine.cache
         share = max(self.top_k, cache.num_slots // (LOOKAHEAD_LAYERS + 1)) if self.share_cap else None
-        position = self.order.index(layer)
-        for ahead in self.order[position + 1:position + 1 + LOOKAHEAD_LAYERS]:
+        for ahead in layers:
             if ahead in caller.predicted:                    # planned from an earlier layer of this pass already
                 self._issue(caller, ahead, caller.predicted[ahead])
                 continue
