@@ -4,8 +4,9 @@ experts on disk, device CPU, at each expert-cache budget, per mode:
 
 - ``lru``: LRU eviction, no prefetch; ``layer``: the default eviction, no prefetch;
 - ``hash_all``: hash prefetch of every predicted top-k expert (the filters off: `configure(min_confidence=0,
-  min_precision=0, share_cap=False)`, what `prefetch="hash"` did before them); ``hash_before``: the same with the
-  decode step through `nn.LSTM` as before (`one_token_cells = False`): the "before" timings;
+  min_precision=0)`), with the next-token guess; ``hash_before``: the same with the
+  decode step through `nn.LSTM` and no next-token guess, as before (`predictor.one_token_cells = False`,
+  `speculates = False`): what `prefetch="hash"` was;
 - ``hash``: hash prefetch with the default filters (confidence, per-layer shut-off);
 - ``hash@C``: the same with `min_confidence=C` (``--confidence``); ``hash_cap``: the same with the per-layer
   share (`share_cap=True`).
@@ -59,8 +60,9 @@ def run(mode: str, budget: str, args, prompts: list[str], tokenizer, reference: 
     engine = get_engine(model)
     if mode in ("hash_all", "hash_before"):
         engine.prefetcher.configure(min_confidence=0.0, min_precision=0.0, share_cap=False)
-    if mode == "hash_before":     # and the LSTM step through nn.LSTM (oneDNN), as before commit 047bb32
+    if mode == "hash_before":     # and, as before this work, the LSTM step through nn.LSTM and no next-token guess
         engine.prefetcher.predictor.one_token_cells = False
+        engine.prefetcher.speculates = False
     elif mode == "hash_cap":
         engine.prefetcher.configure(share_cap=True)
     elif mode.startswith("hash@"):

@@ -236,6 +236,8 @@ class HashPrefetcher(LayerHook):
         with self._times_lock:                               # sampling, not greedy: guesses rarely right, stop
             if self._guesses >= 16 and self._right_guesses < self._guesses // 4:
                 return
+        if not self.speculates:
+            return
         guess = logits[:, -1:].argmax(dim=-1)                # [B, 1], on the logits' device
         caller.speculation = self._pool.submit(self._speculate, caller, guess, _record_event(guess.device))
 
