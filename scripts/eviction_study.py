@@ -40,7 +40,7 @@ import transformers  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
 import hf_moe_offload  # noqa: E402
-from bench_prefetch import (FetchRecorder, OraclePrefetcher, demo_prompts, generate_all, load_model,  # noqa: E402
+from bench_prefetch import (FetchRecorder, OraclePrefetcher, demo_prompts, generate_all,  # noqa: E402
                             read_jsonl_texts)
 from hf_moe_offload.analysis import RoutingRecorder, simulate  # noqa: E402
 
@@ -63,6 +63,12 @@ MODES: dict[str, tuple[str, str]] = {
 SIMULATED = ("lru", "layer", "lookahead", "belady")
 
 
+def load(path: Path, policy: dict | None):
+    """The model at `path` in its checkpoint's dtype (the random checkpoint is bf16), offloaded by `policy`."""
+    kwargs = {} if policy is None else {"offload_policy": policy}
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if "bench" in str(path) else "auto", **kwargs).eval()
+
+
 def run(path: Path, tokenizer, prompts: list, mode: str, budget: str, predictor: str | None, new_tokens: int,
         reference: list[list[int]], schedule: dict | None) -> tuple[dict, RoutingRecorder | None, dict | None]:
     eviction, prefetch = MODES[mode]
@@ -72,7 +78,7 @@ def run(path: Path, tokenizer, prompts: list, mode: str, budget: str, predictor:
               "schedule": "on_demand"}
     if prefetch == "hash":
         policy["predictor"] = predictor
-    model = load_model(path, policy)
+    model = load(path, policy)
     engine = hf_moe_offload.get_engine(model)
     recorder = fetches = None
     if mode == "layer":
@@ -106,7 +112,7 @@ def run(path: Path, tokenizer, prompts: list, mode: str, budget: str, predictor:
 
 def study(name: str, path: Path, tokenizer, prompts: list, budgets: list[str], modes: list[str],
           predictor: str | None, new_tokens: int) -> dict:
-    plain = load_model(path, None)
+    plain = load(path, None)
     reference, _, _ = generate_all(plain, tokenizer, prompts, 1, new_tokens)
     del plain
     rows, simulated = [], []
@@ -179,32 +185,37 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     logging.getLogger("hf_moe_offload").setLevel(logging.WARNING)
     args = parse_args(argv)
+    saved = json.loads(args.out.read_text()) if args.out.is_file() else {"results": {}}
     if args.from_json:
-        results = json.loads(args.out.read_text())
-        print("\n\n".join(table(r) for r in results["results"]))
+        print("\n\n".join(table(r) for r in saved["results"].values()))
         return 0
     torch.set_num_threads(args.threads)
-    results: list[dict[str, Any]] = []
+    results: dict[str, Any] = dict(saved["results"])     # a run of one model keeps the other's saved result
     if args.only in ("all", "demo"):
         tokenizer = AutoTokenizer.from_pretrained(DEMO_MODEL)
         prompts = demo_prompts(tokenizer, read_jsonl_texts(DEMO_MODEL / "heldout.jsonl"), args.prompts,
                                args.prompt_tokens)
-        results.append(study("demo model (trained, 4 layers x 8 experts, top-2), held-out text", DEMO_MODEL,
-                             tokenizer, prompts, args.budgets, args.modes, args.predictor or None, args.new_tokens))
+        results["demo"] = study("demo model (trained, 4 layers x 8 experts, top-2), held-out text", DEMO_MODEL,
+                                tokenizer, prompts, args.budgets, args.modes, args.predictor or None,
+                                args.new_tokens)
     if args.only in ("all", "random"):
         path = random_model(args.workdir, seed=0)
         gen = torch.Generator().manual_seed(0)
         prompts = [torch.randint(3, 4096, (args.prompt_tokens,), generator=gen) for _ in range(args.random_prompts)]
-        results.append(study("random Mixtral (8 layers x 8 experts, top-2, bench shape family)", path, None,
-                             prompts, args.budgets, [m for m in args.modes if m != "hash"], None, args.new_tokens))
-    report = {"command": shlex.join(["python", "scripts/eviction_study.py", *(sys.argv[1:] if argv is None
-                                                                              else argv)]),
-              "machine": {"cpu_count": os.cpu_count(), "threads": args.threads, "platform": platform.platform()},
-              "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-              "time": time.strftime("%Y-%m-%d %H:%M:%S"), "results": results}
+        results["random"] = study("random Mixtral (8 layers x 8 experts, top-2, bench shape family)", path, None,
+                                  prompts, args.budgets, [m for m in args.modes if m != "hash"], None,
+                                  args.new_tokens)
+    command = shlex.join(["python", "scripts/eviction_study.py", *(sys.argv[1:] if argv is None else argv)])
+    meta = {"command": command, "machine": {"cpu_count": os.cpu_count(), "threads": args.threads,
+                                            "platform": platform.platform()},
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    for key in ("demo", "random"):
+        if key in results and (args.only in ("all", key)):
+            results[key].update(meta)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, default=str) + "\n")
-    print("\n\n".join(table(r) for r in results))
+    args.out.write_text(json.dumps({"results": results}, indent=1, default=str) + "\n")
+    print("\n\n".join(table(r) for r in results.values()))
     return 0
 
 
