@@ -52,7 +52,7 @@ def test_building_the_flags_leaves_the_policy_dataclass_unchanged():
 
 
 @pytest.mark.parametrize("argv, expected", [
-    (["demo", "--eviction", "fifo"], "eviction='fifo' is not allowed; allowed: ['lru', 'lfu', 'layer']"),
+    (["demo", "--eviction", "fifo"], "eviction='fifo' is not allowed; allowed: ['lru', 'lfu', 'layer', 'lookahead']"),
     (["demo", "--expert_cache", "lots"], "expert_cache='lots' is not a size; allowed:"),
     (["demo", "--policy", '{"store": "disk"', "--eviction", "lru"], "is not valid JSON"),
     (["perplexity", "--model", str(DEMO_MODEL), "--data", "x.jsonl", "--store", "tape"],

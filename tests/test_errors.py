@@ -20,7 +20,7 @@ from conftest import offloaded
     ({"devcie": "cpu"}, r"unknown offload_policy key\(s\) \['devcie'\]; allowed keys: \['device', 'store'"),
     ("fastest", r"unknown offload_policy preset 'fastest'; allowed presets: \['auto', 'low-ram'\]"),
     ({"store": "nvme"}, r"store='nvme' is not allowed; allowed: \['auto', 'cpu', 'disk'\]"),
-    ({"eviction": "fifo"}, r"eviction='fifo' is not allowed; allowed: \['lru', 'lfu', 'layer'\]"),
+    ({"eviction": "fifo"}, r"eviction='fifo' is not allowed; allowed: \['lru', 'lfu', 'layer', 'lookahead'\]"),
     ({"expert_cache": "lots"}, r"expert_cache='lots' is not a size; allowed: .*'512MiB'"),
     ({"device": "cuda:7"}, r"device='cuda:7' does not exist on this machine"),
     ({"device": "tpu"}, r"device='tpu' is not a device|not supported"),
