@@ -2,7 +2,8 @@
 """When does SiDA's hash prefetch pay? (issue 10, part 3). Greedy decoding of held-out prompts on the demo model,
 experts on disk, device CPU, at each expert-cache budget, per mode:
 
-- ``lru``: LRU eviction, no prefetch; ``layer``: the default eviction, no prefetch;
+- ``lru``: LRU eviction, no prefetch; ``layer``: the default eviction, no prefetch; ``lookahead``:
+  `prefetch="lookahead"` (router look-ahead, no predictor);
 - ``hash_all``: hash prefetch of every predicted top-k expert (the filters off: `configure(min_confidence=0,
   min_precision=0)`), with the next-token guess; ``hash_before``: the same with the
   decode step through `nn.LSTM` and no next-token guess, as before (`predictor.one_token_cells = False`,
@@ -52,6 +53,8 @@ def policy_for(mode: str, budget: str, predictor: str) -> dict:
               "eviction": "lru" if mode == "lru" else "layer"}
     if mode.startswith("hash"):
         policy.update(prefetch="hash", predictor=predictor)
+    elif mode == "lookahead":     # the next layers' routers on this layer's input, no training
+        policy.update(prefetch="lookahead")
     return policy
 
 
