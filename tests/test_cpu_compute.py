@@ -181,3 +181,15 @@ def test_bad_expert_compute_values_are_refused_with_the_allowed_ones():
         OffloadPolicy(expert_compute="gpu").validate()
     with pytest.raises(PolicyError, match="resident_layers=-1 is not allowed"):
         OffloadPolicy(resident_layers=-1).validate()
+
+
+def test_quantized_experts_compute_on_the_cpu_like_on_the_device(tiny_models, tmp_path, monkeypatch):
+    """quantize='int8' with expert_compute='cpu' runs the same quantized arithmetic from the host copy."""
+    monkeypatch.setenv("HF_MOE_OFFLOAD_CACHE", str(tmp_path / "cache"))   # the quantized folder goes here
+    path = tiny_models["mixtral"]
+    ids, mask = token_inputs(3, 8, seed=2, left_pad=True)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    copied = offloaded("mixtral", path, **DISK, expert_cache="50%", quantize="int8")
+    on_cpu = offloaded("mixtral", path, **DISK, quantize="int8", expert_compute="cpu")
+    assert torch.equal(on_cpu.generate(ids, **kwargs), copied.generate(ids, **kwargs))
+    assert hf_moe_offload.stats(on_cpu)["cpu_computed"] > 0 == hf_moe_offload.stats(on_cpu)["misses"]
