@@ -337,6 +337,8 @@ class ExpertCache:
             raise
         finally:
             self._loaded_this_pass.clear()
+        self._device_stalls.clear()          # waits at attach are not a forward's stalls
+        self.stats.reset()                   # (the peak starts at the resident layers' bytes)
         logger.info("hf_moe_offload: resident_layers=%d: %d experts (%d bytes) loaded into the device cache and "
                     "pinned for good; %d slots left for the other layers", self.resident_layers, len(keys),
                     len(keys) * self.slot_bytes, len(self.free))
