@@ -336,7 +336,9 @@ def _install_load_patches() -> None:
     def safe_open(filename, framework, device="cpu", backend=None, **kwargs):
         if backend == "mmap" and _offloaded_load_in_this_thread():
             backend = "pread"
-        return original_safe_open(filename, framework=framework, device=device, backend=backend, **kwargs)
+        if backend is not None:   # safetensors refuses backend=None; callers that omit it get its default
+            kwargs["backend"] = backend
+        return original_safe_open(filename, framework=framework, device=device, **kwargs)
 
     def dispatch(*args, **kwargs):
         if _offloaded_load_in_this_thread():

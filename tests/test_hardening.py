@@ -289,3 +289,24 @@ def test_progress_bars_follow_transformers_switch(tiny_models, capsys):
         transformers.logging.enable_progress_bar()
     err = capsys.readouterr().err
     assert "Loading experts" not in err and "it/s" not in err
+
+
+def test_a_checkpoint_whose_config_names_no_dtype_loads(tmp_path):
+    """transformers then reads the dtype from the first shard (safe_open without a backend): the load patches must
+    pass such calls through unchanged."""
+    import json
+
+    from conftest import build_tiny
+
+    path = build_tiny("mixtral", tmp_path / "nodtype", dtype=torch.bfloat16)
+    config_file = os.path.join(path, "config.json")
+    with open(config_file) as f:
+        config = json.load(f)
+    config.pop("dtype", None)
+    config.pop("torch_dtype", None)
+    with open(config_file, "w") as f:
+        json.dump(config, f)
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    expected = reference("mixtral", path).generate(ids, max_new_tokens=4, do_sample=False)
+    model = offloaded("mixtral", path, device="cpu", store="disk", expert_cache="34%")
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False), expected)
