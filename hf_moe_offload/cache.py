@@ -222,8 +222,9 @@ class ExpertCache:
         issued = [k for k in keys if k in self.resident and k not in landed]   # already on their way (prefetched)
         missing = [k for k in keys if k not in self.resident]
         tokens_of = dict(zip(keys, tokens)) if tokens is not None else {}
-        on_cpu = [k for k in missing if self._computes_on_cpu(k, tokens_of.get(k, 1))]
-        pending = [k for k in missing if k not in set(on_cpu)]                # to load, in order
+        cpu = {k for k in missing if self._computes_on_cpu(k, tokens_of.get(k, 1))}
+        on_cpu = [k for k in missing if k in cpu]                               # computed from the host copy
+        pending = [k for k in missing if k not in cpu]                          # to load, in order
         total = len(issued) + len(pending)
         pinned: list[Key] = []                   # pins this fetch holds, dropped as it moves on
         for key in landed + issued:              # pinned now: nothing this layer needs can be evicted for it
