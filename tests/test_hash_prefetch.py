@@ -249,3 +249,22 @@ def test_decode_tables_come_from_the_greedy_guess_and_prefetch_the_first_layer(t
     assert snap["hash_speculated"] >= snap["hash_speculation_hits"]
     assert snap["hash_tables"] == kwargs["max_new_tokens"]
     assert any(layer == prefetcher.order[0] for layer, _, _ in calls)
+
+
+def test_share_cap_bounds_the_prefetches_per_layer_and_pass(tiny_models, predictors):
+    from hf_moe_offload.prefetch.hash_runner import Prediction
+
+    def issued_for_a_sure_table(share_cap):
+        _, engine, prefetcher = _hash_model(tiny_models, predictors, budget="100%")   # an empty cache
+        prefetcher.configure(share_cap=share_cap)
+        layer, experts = prefetcher.order[1], engine.layers[0].num_experts
+        ranked = [[(e, 1.0) for e in range(experts)] for _ in prefetcher.order]    # every expert certain
+        table = Prediction(torch.zeros(1, len(ranked), experts), [list(range(experts))] * len(ranked), None, ranked)
+        caller = prefetcher._caller()
+        with engine.cache.lock:
+            prefetcher._plan(caller, table, [layer])
+        return len(caller.issued[layer]), max(prefetcher.top_k, engine.cache.num_slots // 3)
+
+    uncapped, share = issued_for_a_sure_table(False)
+    capped, _ = issued_for_a_sure_table(True)
+    assert capped == share < uncapped
