@@ -97,12 +97,17 @@ log = logging.getLogger("bench")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 QUANTIZATIONS = ("int8", "int4")
 DENSE_SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_layer")
-SYSTEMS = (*DENSE_SYSTEMS, *(f"hf_moe_offload_{q}" for q in QUANTIZATIONS))     # quantized rows: --quantize
+# Opt-in rows (--systems ...): look-ahead eviction; quantized experts at the dense rows' byte budget (more experts fit).
+EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", *(f"hf_moe_offload_{q}_same_bytes" for q in QUANTIZATIONS))
+SYSTEMS = (*DENSE_SYSTEMS, *(f"hf_moe_offload_{q}" for q in QUANTIZATIONS), *EXTRA_SYSTEMS)  # quantized: --quantize
 OURS_POLICY = {"device": "cpu", "store": "disk", "expert_cache": "25%", "eviction": "lru"}
 # hf_moe_offload systems: the issue's policy (LRU) and the same with the library's default layer-aware eviction;
 # --quantize adds the default eviction with experts stored quantized (approximate: tokens may differ from resident).
 POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLICY, "eviction": "layer"},
-            **{f"hf_moe_offload_{q}": {**OURS_POLICY, "eviction": "layer", "quantize": q} for q in QUANTIZATIONS}}
+            **{f"hf_moe_offload_{q}": {**OURS_POLICY, "eviction": "layer", "quantize": q} for q in QUANTIZATIONS},
+            **{f"hf_moe_offload_{q}_same_bytes": {**OURS_POLICY, "eviction": "layer", "quantize": q}
+               for q in QUANTIZATIONS},
+            "hf_moe_offload_lookahead": {**OURS_POLICY, "eviction": "lookahead"}}
 MiB, GiB = 2**20, 2**30
 MARKER = "bench_model.json"
 MAX_GPU_LAYERS = 32            # Mixtral-8x7B has 32
@@ -660,6 +665,9 @@ def offloaded_bytes(model, device: str) -> int:
 def policy_for(spec: dict[str, Any]) -> dict[str, Any]:
     """The row's offload policy: the system's CPU policy, on CUDA with the row's store and cache budget."""
     policy = dict(POLICIES[spec["system"]])
+    if spec["system"].endswith("_same_bytes"):   # the dense rows' byte budget, filled with quantized experts
+        shape = ModelShape(**json.loads((Path(spec["checkpoint"]) / MARKER).read_text())["shape"])
+        policy["expert_cache"] = int(OURS_CACHE_SHARE * shape.expert_bytes())
     if spec["device"] == "cuda":
         policy.update(device="cuda:0", store=spec["store"], expert_cache=spec["expert_cache_bytes"])
     return policy
@@ -1344,9 +1352,12 @@ def cb_table(batching: dict[str, Any]) -> str:
 
 
 COLORS = {"resident": "#7f7f7f", "accelerate": "#d62728", "hf_moe_offload": "#1f77b4",
-          "hf_moe_offload_layer": "#2ca02c", "hf_moe_offload_int8": "#9467bd", "hf_moe_offload_int4": "#ff7f0e"}
+          "hf_moe_offload_layer": "#2ca02c", "hf_moe_offload_int8": "#9467bd", "hf_moe_offload_int4": "#ff7f0e",
+          "hf_moe_offload_int8_same_bytes": "#8c564b", "hf_moe_offload_int4_same_bytes": "#e377c2",
+          "hf_moe_offload_lookahead": "#17becf"}
 CACHE_COLORS = {"hf_moe_offload": "#9ecae1", "hf_moe_offload_layer": "#a1d99b", "hf_moe_offload_int8": "#c5b0d5",
-                "hf_moe_offload_int4": "#ffbb78"}
+                "hf_moe_offload_int4": "#ffbb78", "hf_moe_offload_int8_same_bytes": "#c49c94",
+                "hf_moe_offload_int4_same_bytes": "#f7b6d2", "hf_moe_offload_lookahead": "#9edae5"}
 Group = tuple[int, "str | None", "int | None"]       # (batch, store, cap bytes)
 
 
