@@ -42,13 +42,12 @@ import torch
 from .copy_engine import make_copy_engine
 from .eviction import EvictionPolicy, Key, make_eviction
 from .placement import ExpertPlacement
-from .policy import PolicyError
+from .policy import EXPERT_COMPUTES, PolicyError
 from .stats import OffloadStats
 from .store import ExpertStore
 
 logger = logging.getLogger(__name__)
 
-EXPERT_COMPUTES = ("device", "cpu", "auto")
 HOST_BUFFERS = 2      # disk reads for CPU compute: the next expert's read overlaps this one's compute
 
 

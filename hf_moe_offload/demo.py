@@ -89,7 +89,8 @@ def _timed_generate(model, inputs, gen: dict, repeats: int, on_warm=None) -> tup
 
 
 def _stats_line(stats: dict[str, Any], repeats: int) -> str:
-    return (f"stats ({repeats} timed runs): hits {stats['hits']}, misses {stats['misses']}, "
+    on_cpu = f", computed on the CPU {stats['cpu_computed']}" if stats.get("cpu_computed") else ""
+    return (f"stats ({repeats} timed runs): hits {stats['hits']}, misses {stats['misses']}{on_cpu}, "
             f"evictions {stats['evictions']}, hit rate {stats['hit_rate']:.0%}, "
             f"moved {stats['bytes_to_device'] / 2**20:.1f} MiB, peak cache {stats['peak_cache_bytes'] / 2**20:.2f} "
             f"of {stats['cache_capacity_bytes'] / 2**20:.2f} MiB, stalled {stats['stall_s']:.3f} s")

@@ -15,7 +15,8 @@ Where they compute: on the CPU, torch's own kernels (`torch._weight_int8pack_mm`
 `torch._weight_int4pack_mm_for_cpu` on weights repacked by `torch._convert_weight_to_int4pack_for_cpu`); elsewhere
 (CUDA, or with `fast_kernels(False)`) a generic path that dequantizes and calls `F.linear`. Files and host copies
 for another device hold the device-neutral "plain" format (two 4-bit values per byte, even input index in the low
-nibble); torch's CPU int4 format depends on the CPU's vector width, so it is made at load (`prepare`), never stored.
+nibble). torch's CPU int4 format depends on the CPU's vector width: a quantized folder made for the CPU holds it
+as this machine makes it (`packing_signature` is part of the folder's fingerprint), so reads need no repacking.
 torch's own ops rather than torchao/hqq: no dependency, and their CPU path is what those libraries call anyway.
 
 Example:
@@ -354,6 +355,17 @@ def _unpack_with(packed: torch.Tensor, block: int, pairing) -> torch.Tensor:
         q[start + hi_rows] = (region >> 4).t()
         start, offset = start + nb, offset + k * nb // 2
     return q
+
+
+def packing_signature(layouts: list["QuantizedSlabLayout"]) -> str:
+    """What a slab's bytes mean beyond method and shapes: "plain", or torch's CPU int4 format as this machine's
+    converter makes it (its row block and pairing, which follow the CPU's vector width). Files packed for one
+    machine are then never read as another's."""
+    if not any(p.packing == "cpu" for lay in layouts for p in lay.qparts):
+        return "plain"
+    block, pairing = _cpu_int4_scheme()
+    lo, hi = pairing(block)
+    return f"cpu-int4-block{block}-" + "".join(f"{int(r):x}." for r in torch.cat([lo, hi]))
 
 
 def cpu_int4_available() -> bool:

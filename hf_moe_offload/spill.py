@@ -30,7 +30,7 @@ from ._logging import progress
 from .arch import MoEArch
 from .checkpoint import CheckpointError, CheckpointIndex, read_header
 from .layout import ExpertPiece, MoELayer
-from .quantize import QuantizedSlabLayout
+from .quantize import QuantizedSlabLayout, packing_signature
 
 logger = logging.getLogger(__name__)
 
@@ -65,11 +65,11 @@ def remove_folder(folder: str) -> None:
 # -- quantized experts on disk ------------------------------------------------------------------------------------
 #
 # A quantized folder holds one safetensors file per MoE layer with one uint8 tensor [E, slab bytes] (each row one
-# expert's quantized slab, plain packing) and a manifest written last: its fingerprint says what the files were made
+# expert's quantized slab, in the packing its layout computes with) and a manifest written last: its fingerprint says what the files were made
 # from (source shards' names, sizes and mtimes; method, group size, dtype, shapes), its sizes let a later load check
 # the files are whole. A folder whose manifest is missing, different or disagrees with the files is rebuilt.
 
-QUANTIZED_FORMAT = 1
+QUANTIZED_FORMAT = 2       # 2: slabs stored in the layout's packing (1: always plain, repacked at every read)
 MANIFEST = "hf_moe_offload_quantized.json"
 
 
@@ -89,7 +89,8 @@ def quantized_fingerprint(source_files: list[str], layouts: list[QuantizedSlabLa
         sources.append([os.path.basename(path), st.st_size, st.st_mtime_ns])
     first = layouts[0]
     what = {"format": QUANTIZED_FORMAT, "sources": sources, "quantize": first.method, "group_size": first.group_size,
-            "dtype": str(first.compute_dtype), "shapes": [[list(map(list, lay.parts))] for lay in layouts]}
+            "dtype": str(first.compute_dtype), "shapes": [[list(map(list, lay.parts))] for lay in layouts],
+            "packing": packing_signature(layouts)}
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
@@ -131,10 +132,11 @@ def write_quantized(folder: str, fingerprint: str, layouts: list[QuantizedSlabLa
             os.remove(os.path.join(folder, name))
     files = {}
     for layer in progress(range(len(layouts)), desc="Quantizing experts to disk", unit="layer"):
-        layout = layouts[layer].with_packing("plain")          # files are device-neutral
+        layout = layouts[layer]       # stored as computed (torch's CPU int4 format for the CPU): no repack per read
         slabs = torch.empty(num_experts[layer], layout.numel, dtype=torch.uint8)   # [E, slab bytes]
         for e in range(num_experts[layer]):
             layout.quantize_into(read_expert(layer, e), slabs[e])
+            layout.prepare(slabs[e])
         name = f"quantized-layer-{layer:05d}.safetensors"
         tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
         save_file({str(layer): slabs}, tmp)

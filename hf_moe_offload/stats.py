@@ -5,7 +5,7 @@
   own waits, timed by CUDA events (the host does not block there);
 - `cpu_computed` / `cpu_compute_s` / `cpu_bytes_read` (`expert_compute`): experts computed on the CPU instead of
   copied, their CPU time, and the disk bytes read into host buffers for them (`hits + misses + cpu_computed ==
-  experts_used`); with "auto" also the decision's measured inputs (`h2d_bytes_per_s`, `host_bytes_per_s`,
+  experts_used`; `hit_rate` is hits over all three); with "auto" also the decision's measured inputs (`h2d_bytes_per_s`, `host_bytes_per_s`,
   `cpu_flops`, `cpu_expert_s` per token bucket);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those
   the router then used, those evicted unused; `readahead_issued`: the read-ahead's share of `prefetch_issued`;
@@ -146,7 +146,8 @@ class OffloadStats:
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             totals = {name: sum(values) for name, values in self.layer.items()}
-            lookups = totals["hits"] + totals["misses"]
+            # An expert computed on the CPU was not on the device either: it counts against the hit rate.
+            lookups = totals["hits"] + totals["misses"] + totals.get("cpu_computed", 0)
             data = {
                 **totals,
                 "hit_rate": totals["hits"] / lookups if lookups else 0.0,

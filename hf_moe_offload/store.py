@@ -181,8 +181,8 @@ class DiskStore(ExpertStore):
     def __init__(self, layers: Sequence[MoELayer], pieces: list[list[list[ExpertPiece]]], dtype: torch.dtype,
                  layouts: Sequence[QuantizedSlabLayout] | None = None):
         """`pieces[layer][expert]`: where each expert's bytes are (`MoEArch.locate_expert`). With quantized
-        `layouts`, each piece is a whole quantized slab ("slab", from `quantized_folder`), read as uint8 and
-        converted to the layout's packing (`prepare`); `dtype` is then the compute dtype."""
+        `layouts`, each piece is a whole quantized slab ("slab", from a quantized folder), stored in the layout's
+        packing and read as uint8; `dtype` is then the compute dtype."""
         if layouts is None:
             super().__init__([lay.layout for lay in layers], [lay.num_experts for lay in layers], dtype)
         else:
@@ -217,8 +217,6 @@ class DiskStore(ExpertStore):
             chunks += [(rng, raw[start:start + rng.nbytes], fd) for rng, start in split_range(piece.source,
                                                                                             READ_CHUNK_BYTES)]
         self._read_chunks(chunks)
-        if quantized and layout.needs_prepare:
-            layout.prepare(dst)
 
     def _read_chunks(self, chunks: list) -> None:
         """`pread_exact` every (range, buffer, fd), the first on this thread and the rest on the chunk readers."""

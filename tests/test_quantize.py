@@ -235,3 +235,34 @@ def test_checkpoint_with_quantized_weights_is_refused_naming_the_method(tmp_path
 def test_bad_quantize_values_are_refused(tiny_models, policy, allowed):
     with pytest.raises(PolicyError, match=allowed):
         _load("mixtral", tiny_models["mixtral"], store="disk", **policy)
+
+
+@pytest.mark.skipif(not hf_moe_offload.quantize.cpu_int4_available(), reason="torch's CPU int4 kernel is unavailable")
+def test_a_cpu_folder_stores_the_kernel_format_and_is_told_apart_from_plain_files(tmp_path):
+    """Files made for the CPU hold torch's CPU int4 format (no repack per read); their fingerprint names it, so a
+    folder of plain slabs (for another device) is never read as one."""
+    from hf_moe_offload.quantize import packing_signature
+    from hf_moe_offload.spill import quantized_fingerprint, write_quantized
+
+    dense = SlabLayout(parts=(("up", (32, 64)),))
+    cpu = QuantizedSlabLayout.build(dense, "int4", 32, torch.float32, packing="cpu")
+    plain = cpu.with_packing("plain")
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"x")
+    assert packing_signature([plain]) == "plain" and packing_signature([cpu]).startswith("cpu-int4")
+    assert quantized_fingerprint([str(source)], [cpu]) != quantized_fingerprint([str(source)], [plain])
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
+    pieces = write_quantized(str(tmp_path / "q"), "fp", [cpu], [1], lambda layer, e: {"up": w})
+    store = hf_moe_offload.store.DiskStore([_FakeLayer(dense)], pieces, torch.float32, layouts=[cpu])
+    slab = torch.empty(cpu.numel, dtype=torch.uint8)
+    store.read_into(0, 0, slab)
+    expected = torch.empty(cpu.numel, dtype=torch.uint8)
+    cpu.quantize_into({"up": w}, expected)
+    cpu.prepare(expected)
+    assert torch.equal(slab, expected)
+    store.close()
+
+
+class _FakeLayer:
+    def __init__(self, layout):
+        self.layout, self.num_experts = layout, 1
