@@ -38,6 +38,9 @@ from .policy import AUTO
 
 STREAM_SHARE = 0.5    # stream a pass expected to touch at least this share of a layer's experts
 EVICTION_LOOKAHEAD_LAYERS = 2   # eviction="lookahead": the routers of this many next layers guess this pass's uses
+MIN_HIT_SAVES = 0.05            # the measured exposure never drops the gate's hit_saves below this
+EXPOSURE_EWMA = 0.2             # weight of a new exposure measurement
+EXPOSURE_MIN_MISSES = 8         # demand misses between two exposure measurements
 
 
 def expected_experts(tokens: int, num_experts: int, top_k: int) -> float:
@@ -60,7 +63,8 @@ class LookaheadGate:
     - a wasted guess costs its own read, `t`, on the same link as the demand reads after it, and takes a slot
       whose resident expert is then read again with about the cache's hit rate `h`: `(1 + h) * t`.
     It pays when `p * hit_saves > (1 - p) * (1 + h)`, i.e. precision `p > (1 + h) / (1 + h + hit_saves)`: at
-    least 1/2, about 0.57 at a 30% hit rate. The precision and `h` are measured over the last `window` guesses
+    least 1/2, about 0.57 at a 30% hit rate. `hit_saves` starts at 1 and then follows the measured exposure
+    (`measured_exposure`: stall per demand miss / time of one read, fed by the planner every few misses). The precision and `h` are measured over the last `window` guesses
     (h over the routed experts that were not guessed, so the look-ahead's own loads do not inflate it); reading
     starts once `min_guesses` are scored and precision is above the break-even, and stops when it falls
     `hysteresis` below it.
@@ -79,6 +83,8 @@ class LookaheadGate:
         if not 0 < hit_saves <= 1:
             raise ValueError(f"hit_saves={hit_saves!r} is not allowed; allowed: a share of one read in (0, 1]")
         self.window, self.min_guesses, self.hit_saves, self.hysteresis = window, min_guesses, hit_saves, hysteresis
+        self.exposure_measured = False     # whether `hit_saves` comes from a measurement yet
+        self.require_exposure = False      # stay off until it does (the planner sets this when it can measure)
         self.guesses: deque[bool] = deque(maxlen=window)      # per non-resident guess: did the router choose it
         self.routed: deque[bool] = deque(maxlen=window)       # per routed, unguessed expert: was it resident
         self.on = False
@@ -96,6 +102,18 @@ class LookaheadGate:
         h = self.hit_rate
         return (1.0 + h) / (1.0 + h + self.hit_saves)
 
+    def measured_exposure(self, stall_per_miss_s: float, read_s: float) -> None:
+        """Set `hit_saves` from measurements: the share of a demand read that compute waited for (stall per demand
+        miss / time of one read). What a used guess can hide is at most that exposed part; an EWMA, kept within
+        [MIN_HIT_SAVES, 1] so that reads can always come back when guesses are nearly always right."""
+        if read_s <= 0:
+            return
+        exposed = min(1.0, max(MIN_HIT_SAVES, stall_per_miss_s / read_s))
+        if self.exposure_measured:
+            self.hit_saves = (1 - EXPOSURE_EWMA) * self.hit_saves + EXPOSURE_EWMA * exposed
+        else:                              # the first measurement replaces the optimistic starting value
+            self.hit_saves, self.exposure_measured = exposed, True
+
     def record(self, guessed: int, used: int, routed_resident: int, routed_other: int) -> None:
         """One layer's turn: `used` of `guessed` non-resident guesses were chosen by its router; of the routed
         experts that were not guessed, `routed_resident` were resident and `routed_other` were not."""
@@ -104,10 +122,66 @@ class LookaheadGate:
         if len(self.guesses) < self.min_guesses:
             return
         precision, break_even = self.precision, self.break_even
+        if self.require_exposure and not self.exposure_measured:
+            return                         # the optimistic starting hit_saves alone must not turn reading on
         if precision >= break_even:
             self.on = True
         elif precision < break_even - self.hysteresis:
             self.on = False
+
+
+class PayoffTrial:
+    """The second half of `prefetch="auto"`: once the precision rule (`LookaheadGate`) says reading ahead could pay,
+    check that it does, by the quantity it exists to lower: the stall per on-demand pass.
+
+    The break-even prices a wasted guess at one read plus one re-read, but an eviction can cascade: measured on the
+    bench's random checkpoint at batch 1 with LRU eviction (16 slots for 16 experts a token), guesses right 60-70% of
+    the time, above the break-even, turned a 59% hit rate into 38% and doubled the bytes read, because each extra
+    eviction in a cyclic access pattern costs LRU a whole chain of misses. So passes run in alternating blocks with
+    reads off and on (`block` passes each, `rounds` of each); reading is kept for the next `hold` passes only if the
+    blocks with reads stalled less than those without, by `margin`; then the trial runs again (the routing, the
+    cache's contents and the disk change). Alternating blocks keep slow drifts of a shared disk out of the verdict.
+
+    Example:
+        >>> trial = PayoffTrial(block=1, rounds=1, hold=2)
+        >>> [trial.next_pass(stall_s=s) for s in (None, 0.2, 0.1)]    # off, on, then the verdict: on pays
+        [False, True, True]
+        >>> trial.verdict
+        'on'
+    """
+
+    def __init__(self, block: int = 4, rounds: int = 2, hold: int = 256, margin: float = 0.05):
+        self.block, self.rounds, self.hold, self.margin = block, rounds, hold, margin
+        self.verdict: str = "trial"                 # "trial", "on" or "off"
+        self.stall = {False: 0.0, True: 0.0}        # trial stall seconds with reads off / on
+        self.passes = {False: 0, True: 0}
+        self._step = 0                              # passes into the current trial or hold
+        self._reading = False                       # what the pass now running does
+
+    def reset(self) -> None:
+        """Start over (the precision rule turned reading off, so what was measured is stale)."""
+        self.__init__(self.block, self.rounds, self.hold, self.margin)
+
+    def next_pass(self, stall_s: float | None) -> bool:
+        """The previous pass (if any) stalled `stall_s`; whether the next pass reads ahead."""
+        if self.verdict == "trial":
+            if stall_s is not None and self._step > 0:
+                self.stall[self._reading] += stall_s
+                self.passes[self._reading] += 1
+            if self._step >= 2 * self.block * self.rounds:
+                off = self.stall[False] / max(self.passes[False], 1)
+                on = self.stall[True] / max(self.passes[True], 1)
+                self.verdict, self._step = ("on" if on < off * (1 - self.margin) else "off"), 0
+            else:
+                self._reading = (self._step // self.block) % 2 == 1      # off block, on block, off, on...
+                self._step += 1
+                return self._reading
+        self._step += 1
+        if self._step > self.hold:
+            self.reset()
+            return self.next_pass(None)
+        self._reading = self.verdict == "on"
+        return self._reading
 
 
 class StreamPlanner(LayerHook):
@@ -129,6 +203,11 @@ class StreamPlanner(LayerHook):
         self.stack = dict(zip(self.layers, stacks))
         self.router_weights = {layer.index: engine.arch.router_weight(engine.model, layer) for layer in engine.layers}
         self._local = threading.local()      # each generating thread's position in its own pass
+        self._exposure_base = (0.0, 0)       # (stall_s, misses) at the last exposure measurement
+        self.trial = PayoffTrial()             # prefetch="auto": does reading ahead lower the stall per pass
+        self._trial_base: float | None = None  # stall_s when the last on-demand pass began
+        if self.gate is not None and gate is None and getattr(self.cache.copy, "meter", None) is not None:
+            self.gate.require_exposure = True   # read ahead only once a read's exposed share is measured
         self._publish()
 
     @property
@@ -182,7 +261,7 @@ class StreamPlanner(LayerHook):
         if self.gate is None:
             self.counters.set_lookahead(self.prefetch == "lookahead", None, None)
         else:
-            self.counters.set_lookahead(self.gate.on, self.gate.precision, self.gate.break_even)
+            self.counters.set_lookahead(self.gate.on, self.gate.precision, self.gate.break_even, self.gate.hit_saves)
 
     def _begin_pass(self, layer: int, tokens: int) -> None:
         moe = self.layers[layer]
@@ -191,13 +270,56 @@ class StreamPlanner(LayerHook):
         else:
             streaming = self.schedule == "stream"
         self._local.streaming = streaming
-        self._local.reading = not streaming and self.reading_ahead   # decided once per pass: room and reads agree
+        if self.gate is not None and not streaming:
+            self._measure_exposure(moe.index)
+        self._local.reading = self._reads_this_pass(streaming)   # decided once per pass: room and reads agree
         self._local.guesses = {}
         if streaming:
             self.cache.begin_pass(self.window)
         else:   # on demand; while reading ahead, room for the next layer's top-k guesses
             self.cache.begin_pass(None, ahead_room=moe.top_k if self._local.reading else 0)
         self.counters.record_pass("stream" if streaming else "on_demand")
+
+    def _reads_this_pass(self, streaming: bool) -> bool:
+        """Whether this on-demand pass reads the next layers' guesses ahead: always with prefetch="lookahead"; with
+        "auto" while the precision rule says it could pay and the payoff trial says it does."""
+        if streaming:
+            self._trial_base = None                 # a streamed pass's stall is not an on-demand pass's
+            return False
+        if self.prefetch == "lookahead":
+            return True
+        if self.gate is None:
+            return False
+        if not self.gate.on:
+            if self.trial.verdict != "trial" or self.trial.passes[False] or self.trial.passes[True]:
+                self.trial.reset()
+            self._trial_base = None
+            return False
+        stall = self.counters.stall_and_misses()[0]
+        base, self._trial_base = self._trial_base, stall
+        reading = self.trial.next_pass(None if base is None or stall < base else stall - base)
+        self.counters.set_lookahead_trial(self.trial.verdict, self.trial.stall, self.trial.passes)
+        return reading
+
+    def _measure_exposure(self, layer: int) -> None:
+        """Feed the gate the measured share of a demand read exposed as a stall, from the counters' stall and
+        misses since the last measurement and the copy engine's measured read bandwidth (on CUDA its timed copies
+        cover the host-to-device part only, which overstates the exposure: the gate errs toward reading)."""
+        meter = getattr(self.cache.copy, "meter", None)
+        if meter is None:
+            return
+        if hasattr(meter, "settle"):
+            meter.settle()
+        stall, misses = self.counters.stall_and_misses()
+        last_stall, last_misses = self._exposure_base
+        if misses < last_misses or stall < last_stall:      # the counters were reset
+            self._exposure_base = (stall, misses)
+            return
+        if misses - last_misses < EXPOSURE_MIN_MISSES or not meter.bytes_per_s:
+            return
+        read_s = self.cache.store.slab_bytes(layer) / meter.bytes_per_s
+        self.gate.measured_exposure((stall - last_stall) / (misses - last_misses), read_s)
+        self._exposure_base = (stall, misses)
 
     def likely_experts(self, layer: int, hidden_states: torch.Tensor) -> list[int]:
         """Layer `layer`'s router applied to these hidden states: experts any token would pick, most-routed first."""

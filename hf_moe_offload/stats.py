@@ -14,6 +14,9 @@
   (what a read-ahead would read) and those its router then chose, counted in on-demand passes whether or not they
   were read; `lookahead_on`, `lookahead_precision` (recent used / guessed) and `lookahead_break_even`: the state of
   `prefetch="auto"`'s rule (schedule.py), which reads ahead only while the precision is above the break-even;
+  `lookahead_exposure`: the measured share of a demand read that compute waited for (what a right guess can hide);
+  `lookahead_trial`: whether reading ahead, once the precision allows it, measurably lowered the stall per pass
+  (alternating blocks of passes with reads off and on: verdict "trial", "on" or "off", and both mean stalls);
 - `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape).
 
 Example:
@@ -60,6 +63,8 @@ class OffloadStats:
         self.lookahead_on = False
         self.lookahead_precision: float | None = None
         self.lookahead_break_even: float | None = None
+        self.lookahead_exposure: float | None = None   # measured share of a demand read exposed as a stall
+        self.lookahead_trial: dict | None = None       # the payoff trial's verdict and stalls (schedule.PayoffTrial)
         self.reset()
 
     def reset(self) -> None:
@@ -105,9 +110,11 @@ class OffloadStats:
             self.layer["lookahead_guesses"][layer] += guessed
             self.layer["lookahead_used"][layer] += used
 
-    def set_lookahead(self, on: bool, precision: float | None, break_even: float | None) -> None:
+    def set_lookahead(self, on: bool, precision: float | None, break_even: float | None,
+                      exposure: float | None = None) -> None:
         with self._lock:
             self.lookahead_on, self.lookahead_precision, self.lookahead_break_even = on, precision, break_even
+            self.lookahead_exposure = exposure
 
     def record_pass(self, schedule: str) -> None:
         with self._lock:
@@ -143,6 +150,18 @@ class OffloadStats:
             self.resident_bytes = nbytes
             self.peak_cache_bytes = max(self.peak_cache_bytes, nbytes)
 
+    def set_lookahead_trial(self, verdict: str, stall: dict, passes: dict) -> None:
+        """The payoff trial of `prefetch="auto"`: its verdict and mean stall per pass with reads off / on."""
+        with self._lock:
+            self.lookahead_trial = {"verdict": verdict,
+                                    "stall_per_pass_off": stall[False] / passes[False] if passes[False] else None,
+                                    "stall_per_pass_on": stall[True] / passes[True] if passes[True] else None}
+
+    def stall_and_misses(self) -> tuple[float, int]:
+        """Total stall seconds and demand misses so far (what the look-ahead gate measures exposure from)."""
+        with self._lock:
+            return sum(self.layer["stall_s"]), sum(self.layer["misses"])
+
     def snapshot(self) -> StatsSnapshot:
         with self._lock:
             totals = {name: sum(values) for name, values in self.layer.items()}
@@ -160,6 +179,8 @@ class OffloadStats:
                 "lookahead_on": self.lookahead_on,
                 "lookahead_precision": self.lookahead_precision,
                 "lookahead_break_even": self.lookahead_break_even,
+                "lookahead_exposure": self.lookahead_exposure,
+                "lookahead_trial": dict(self.lookahead_trial) if self.lookahead_trial else None,
                 "per_layer": [{name: self.layer[name][i] for name in PER_LAYER} for i in range(self.num_layers)],
             }
         if self.placement is not None:

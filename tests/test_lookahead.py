@@ -199,3 +199,29 @@ def test_simulated_policies_match_the_engine_on_a_recorded_trace(tiny_models):
         sim = simulate(recorder.trace, slots=engine.cache.num_slots, policy=eviction, num_layers=2)
         assert sim.misses == hf_moe_offload.stats(model)["misses"], eviction
         assert simulate(recorder.trace, engine.cache.num_slots, "belady").misses <= sim.misses
+
+
+def test_payoff_trial_keeps_reading_only_when_it_lowers_the_stall():
+    from hf_moe_offload.schedule import PayoffTrial
+
+    def run(trial, stall_off, stall_on, passes):
+        reads, reading = [], trial.next_pass(None)
+        for _ in range(passes):
+            reads.append(reading)
+            reading = trial.next_pass(stall_on if reading else stall_off)
+        return reads
+
+    helps = PayoffTrial(block=2, rounds=2, hold=5)
+    reads = run(helps, stall_off=0.2, stall_on=0.1, passes=8)
+    assert reads == [False, False, True, True, False, False, True, True]     # alternating blocks
+    assert helps.verdict == "on" and run(helps, 0.2, 0.1, 4) == [True] * 4
+
+    hurts = PayoffTrial(block=2, rounds=2, hold=5)
+    run(hurts, stall_off=0.1, stall_on=0.3, passes=8)
+    assert hurts.verdict == "off" and run(hurts, 0.1, 0.3, 4) == [False] * 4
+    run(hurts, 0.1, 0.3, 2)                                   # the hold ends: the trial runs again
+    assert hurts.verdict == "trial"
+
+    even = PayoffTrial(block=1, rounds=1, hold=5, margin=0.05)
+    run(even, stall_off=0.1, stall_on=0.098, passes=2)        # within the margin: not worth the bytes
+    assert even.verdict == "off"
