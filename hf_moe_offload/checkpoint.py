@@ -21,8 +21,11 @@ import torch
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
 }
+# Fine-grained FP8 checkpoints (DeepSeek-V3, Qwen3-*-FP8): weights in these dtypes come with float block scales.
+FP8_DTYPES = (torch.float8_e4m3fn,)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 class CheckpointError(ValueError):
@@ -57,21 +60,35 @@ class ByteRange:
     shape: tuple[int, ...]
 
 
-class CheckpointIndex:
-    """Every tensor of a (possibly sharded) safetensors checkpoint, from its headers."""
+@dataclass(frozen=True)
+class BlockScales:
+    """The block scales of one fine-grained FP8 matrix: `source` holds `key` (one float per `block` of the weight,
+    [ceil(N / block[0]), ceil(K / block[1])]); dequantized weight = fp8 value x the scale of its block."""
 
-    def __init__(self, root: str, entries: dict[str, TensorEntry]):
+    key: str
+    source: ByteRange
+    block: tuple[int, int]
+
+
+class CheckpointIndex:
+    """Every tensor of a (possibly sharded) safetensors checkpoint, from its headers.
+
+    `block_size`: the config's FP8 `weight_block_size` when the checkpoint ships fine-grained FP8 weights (their
+    scales are then found by `block_scales`), else None."""
+
+    def __init__(self, root: str, entries: dict[str, TensorEntry], block_size: tuple[int, int] | None = None):
         self.root = root
         self.entries = entries
+        self.block_size = block_size
 
     @classmethod
-    def open(cls, root: str | os.PathLike) -> "CheckpointIndex":
+    def open(cls, root: str | os.PathLike, block_size: tuple[int, int] | None = None) -> "CheckpointIndex":
         root = str(root)
         files = _shard_files(root)
         entries: dict[str, TensorEntry] = {}
         for path in files:
             entries.update(read_header(path))
-        return cls(root, entries)
+        return cls(root, entries, tuple(block_size) if block_size is not None else None)
 
     def __contains__(self, key: str) -> bool:
         return key in self.entries
@@ -88,6 +105,40 @@ class CheckpointIndex:
             raise CheckpointError(f"{key} has {e.shape[0]} rows, row {row} requested ({e.path})")
         row_bytes = e.nbytes // e.shape[0]
         return ByteRange(e.path, e.offset + row * row_bytes, row_bytes, e.dtype, e.shape[1:])
+
+    def block_scales(self, key: str, row: int | None = None) -> BlockScales | None:
+        """The block scales of the FP8 tensor `key` (of `key[row]`), or None when `key` is not FP8.
+
+        The scales are `<name>.weight_scale_inv` for `<name>.weight` (per-expert and dense keys) or `<key>_scale_inv`
+        (fused experts, e.g. `experts.gate_up_proj_scale_inv` [E, ...]); a missing one, or one whose dtype or grid
+        does not fit the weight and the config's `weight_block_size`, is a `CheckpointError` naming it.
+
+        Example:
+            >>> index.block_scales("model.layers.0.mlp.experts.3.up_proj.weight").key   # doctest: +SKIP
+            'model.layers.0.mlp.experts.3.up_proj.weight_scale_inv'
+        """
+        e = self.entries[key]
+        if e.dtype not in FP8_DTYPES:
+            return None
+        scale_key = key.removesuffix("weight") + "weight_scale_inv" if key.endswith(".weight") else key + "_scale_inv"
+        if self.block_size is None:
+            raise CheckpointError(f"{key} is stored as {e.dtype} ({e.path}), but the config has no fine-grained FP8 "
+                                  f"quantization_config (quant_method='fp8' with weight_block_size) to read it with")
+        if len(e.shape) < 2:
+            raise CheckpointError(f"{key} is stored as {e.dtype} with shape {list(e.shape)} ({e.path}); fine-grained "
+                                  f"FP8 weights are matrices [..., N, K]")
+        (bn, bk), (n, k) = self.block_size, e.shape[-2:]
+        want = (*e.shape[:-2], -(-n // bn), -(-k // bk))
+        if scale_key not in self.entries:
+            raise CheckpointError(f"checkpoint {self.root} has no {scale_key}: the FP8 tensor {key} ({e.path}) needs "
+                                  f"its block scales, a float32 tensor of shape {list(want)} (weight_block_size "
+                                  f"{list(self.block_size)})")
+        s = self.entries[scale_key]
+        if s.dtype not in SCALE_DTYPES or s.shape != want:
+            raise CheckpointError(f"{scale_key} in {s.path} is {s.dtype} {list(s.shape)}, but the FP8 tensor {key} "
+                                  f"{list(e.shape)} with weight_block_size {list(self.block_size)} needs one scale per "
+                                  f"block: float32 (or bfloat16/float16) {list(want)}")
+        return BlockScales(scale_key, self.locate(scale_key, row), self.block_size)
 
 
 def _shard_files(root: str) -> list[str]:
@@ -239,6 +290,46 @@ def read_into(rng: ByteRange, dst: torch.Tensor, fd: int, bounce: torch.Tensor |
     raw = bounce[:rng.nbytes]
     _pread_exact(rng, memoryview(raw.numpy()), fd)
     dst.copy_(raw.view(rng.dtype).view(dst.shape))
+
+
+def read_fp8_into(rng: ByteRange, scales: BlockScales, dst: torch.Tensor, fd: int, scale_fd: int,
+                  bounce: torch.Tensor | None = None) -> None:
+    """Fill `dst` ([N, K] CPU tensor in the model dtype) with the FP8 matrix at `rng` dequantized by its block
+    `scales` (read from `scale_fd`): `dst = float32(fp8) x float32(scale of its block)`, rounded to `dst.dtype` —
+    the arithmetic transformers' `Fp8Dequantize` uses, so the result is the same bits. A non-finite scale is a
+    `CheckpointError` naming its tensor.
+
+    Example:
+        >>> read_fp8_into(w_rng, index.block_scales(key), slab_part, fd, fd, bounce=scratch)   # doctest: +SKIP
+    """
+    if bounce is None or bounce.numel() < rng.nbytes:
+        bounce = torch.empty(rng.nbytes, dtype=torch.uint8)
+    raw = bounce[:rng.nbytes]
+    _pread_exact(rng, memoryview(raw.numpy()), fd)
+    scale = torch.empty(scales.source.shape, dtype=scales.source.dtype)
+    _pread_exact(scales.source, memoryview(scale.reshape(-1).view(torch.uint8).numpy()), scale_fd)
+    if not bool(torch.isfinite(scale).all()):
+        raise CheckpointError(f"{scales.key} in {scales.source.path} holds non-finite block scales (NaN or inf): "
+                              f"the checkpoint is corrupt")
+    dequantize_blocks(raw.view(rng.dtype).view(rng.shape), scale, scales.block, dst.view(rng.shape))
+
+
+def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], out: torch.Tensor) -> None:
+    """`out = float32(q) x scale`, each scale covering a `block` of q [N, K] (the last row/column blocks may be
+    partial), one block row at a time so that no weight-sized float32 copy is made.
+
+    Example:
+        >>> out = torch.empty(3, 3)
+        >>> dequantize_blocks(torch.ones(3, 3).to(torch.float8_e4m3fn), torch.tensor([[1., 2.], [3., 4.]]), (2, 2), out)
+        >>> out.tolist()
+        [[1.0, 1.0, 2.0], [1.0, 1.0, 2.0], [3.0, 3.0, 4.0]]
+    """
+    bn, bk = block
+    n, k = q.shape
+    cols = scale.to(torch.float32).repeat_interleave(bk, dim=1)[:, :k]     # [ceil(N/bn), K]
+    for i in range(cols.shape[0]):
+        rows = slice(i * bn, min((i + 1) * bn, n))
+        out[rows].copy_(q[rows].to(torch.float32).mul_(cols[i]))
 
 
 def split_range(rng: ByteRange, chunk_bytes: int) -> list[tuple[ByteRange, int]]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .checkpoint import ByteRange
+from .checkpoint import BlockScales, ByteRange
 
 
 @dataclass(frozen=True)
@@ -41,11 +41,13 @@ class SlabLayout:
 
 @dataclass(frozen=True)
 class ExpertPiece:
-    """A checkpoint byte range that fills rows [row, row + n) of one slab part."""
+    """A checkpoint byte range that fills rows [row, row + n) of one slab part; with `scales`, `source` is a
+    fine-grained FP8 matrix dequantized by them on the way into the slab (the slab itself stays dense)."""
 
     part: str
     row: int
     source: ByteRange
+    scales: BlockScales | None = None
 
 
 @dataclass

@@ -7,11 +7,17 @@ a time, into the store.
 
 Every check that can fail (policy, architecture, checkpoint shards, device, cache budget) runs before anything
 is allocated.
+
+Fine-grained FP8 checkpoints (`quantization_config` with quant_method "fp8" and a `weight_block_size`): transformers
+loads the non-expert part dequantized to the model dtype (its `dequantize=True` load, forced here so a GPU machine
+does the same), and each expert's FP8 matrices and block scales are located per expert and dequantized by the store
+as they are read: the engine sees ordinary dense slabs.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import logging
 import os
@@ -57,22 +63,24 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     config = kwargs.get("config")
     if config is None or isinstance(config, str):
         config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path, **hub_kwargs)
-    refuse_quantized_checkpoint(config)
+    block_size = checkpoint_block_size(config)
     arch = get_arch(config)
     _warn_if_experts_implementation_requested(kwargs.get("experts_implementation")
                                               or getattr(config, "_experts_implementation", None))
-    index = CheckpointIndex.open(root)
+    index = CheckpointIndex.open(root, block_size=block_size)
 
     skeleton = _meta_skeleton(model_cls, config, kwargs)
     layers = arch.find_layers(skeleton)
     pieces = _locate_experts(arch, index, layers)
-    dtype = _requested_dtype(kwargs, pieces)
+    dtype = _requested_dtype(kwargs, pieces, config)
     resolved = resolve(policy, footprint(skeleton, layers, dtype, _quantized_layouts(policy, layers, dtype)))
     predictor = _load_predictor(policy, skeleton)
     device = torch.device(resolved.policy.device)
 
     device_map = _device_map(skeleton, layers, device)
     del skeleton
+    if block_size is not None:
+        kwargs["quantization_config"] = _dequantizing_fp8_config(config, kwargs.get("quantization_config"))
     with _experts_left_unread():
         model = original_from_pretrained(model_cls, pretrained_model_name_or_path, *model_args,
                                          device_map=device_map, **kwargs)
@@ -187,19 +195,87 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
                      layer_experts=tuple(lay.num_experts for lay in layers), **sequence_costs(model.config, dtype))
 
 
-def refuse_quantized_checkpoint(config) -> None:
-    """Refuse a model whose weights are already quantized (a `quantization_config`): its experts are not plain
-    float tensors hf_moe_offload can read per expert. Raised before anything is allocated."""
-    for cfg in {id(c): c for c in (config, getattr(config, "get_text_config", lambda: config)())}.values():
-        qc = getattr(cfg, "quantization_config", None)
-        if qc is None:
-            continue
-        method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
-        method = getattr(method, "value", method) or "unknown"
+SUPPORTED_CHECKPOINT_QUANTIZATION = ("fine-grained FP8 (quant_method='fp8' with weight_block_size [rows, cols], "
+                                     "fmt 'e4m3', float block scales weight_scale_inv: DeepSeek-V3, Qwen3-*-FP8)")
+
+
+def _quantization_configs(config) -> list:
+    """The `quantization_config`s of `config` and of its text config (a dict, or transformers' config object)."""
+    cfgs = {id(c): c for c in (config, getattr(config, "get_text_config", lambda: config)())}.values()
+    return [qc for qc in (getattr(c, "quantization_config", None) for c in cfgs) if qc is not None]
+
+
+def _qc_get(qc, name: str):
+    value = qc.get(name) if isinstance(qc, dict) else getattr(qc, name, None)
+    return getattr(value, "value", value)       # enums (QuantizationMethod) as their string
+
+
+def _fp8_problem(qc) -> str | None:
+    """Why an fp8 `quantization_config` is not the fine-grained layout hf_moe_offload reads, or None if it is."""
+    block = _qc_get(qc, "weight_block_size")
+    if block is None:
+        return "without weight_block_size (per-tensor scales)"
+    if not (isinstance(block, (list, tuple)) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        return f"with weight_block_size={block!r} (expected two positive ints)"
+    for name, allowed in (("fmt", "e4m3"), ("scale_fmt", "float"), ("expert_dtype", "fp8")):
+        value = _qc_get(qc, name)
+        if value not in (None, allowed):
+            return f"with {name}={value!r} (only {allowed!r} is read)"
+    return None
+
+
+def checkpoint_block_size(config) -> tuple[int, int] | None:
+    """The FP8 `weight_block_size` of a fine-grained FP8 checkpoint, None for a float checkpoint; any other
+    `quantization_config` (mxfp4, gptq, awq, bitsandbytes, fp8 without block scales, ...) is refused with a
+    `PolicyError` naming its method and listing what is read. Raised before anything is allocated.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> checkpoint_block_size(SimpleNamespace(quantization_config={"quant_method": "fp8",
+        ...                                                            "weight_block_size": [128, 128]}))
+        (128, 128)
+    """
+    for qc in _quantization_configs(config):
+        method = _qc_get(qc, "quant_method") or "unknown"
+        problem = _fp8_problem(qc) if method == "fp8" else None
+        if method == "fp8" and problem is None:
+            return tuple(_qc_get(qc, "weight_block_size"))
         raise PolicyError(f"this checkpoint's weights are already quantized (quantization_config with quant_method="
-                          f"{method!r}); hf_moe_offload reads experts stored as float tensors (float32, float16, "
-                          f"bfloat16) only. Use the checkpoint's unquantized weights, and offload_policy "
-                          f"{{'quantize': 'int8'}} or {{'quantize': 'int4'}} to store the experts quantized")
+                          f"{method!r}{' ' + problem if problem else ''}), which hf_moe_offload cannot read per "
+                          f"expert; it reads experts stored as float tensors (float32, float16, bfloat16) or "
+                          f"{SUPPORTED_CHECKPOINT_QUANTIZATION}. Use the checkpoint's unquantized weights, and "
+                          f"offload_policy {{'quantize': 'int8'}} or {{'quantize': 'int4'}} to store the experts "
+                          f"quantized")
+    return None
+
+
+def refuse_quantized_checkpoint(config) -> None:
+    """For a model already built (`enable`): refuse one whose weights are quantized in memory. A fine-grained FP8
+    model that transformers loaded with `dequantize=True` (its CPU default) holds float weights and is accepted."""
+    if checkpoint_block_size(config) is None:
+        return
+    if not all(_qc_get(qc, "dequantize") for qc in _quantization_configs(config)):
+        raise PolicyError("this model holds FP8 weights (loaded without dequantize); load it with "
+                          "from_pretrained(..., offload_policy=...), which reads the FP8 experts per expert, or with "
+                          "quantization_config=FineGrainedFP8Config(dequantize=True) before enable()")
+
+
+def _dequantizing_fp8_config(config, given):
+    """The `quantization_config=` that makes transformers load a fine-grained FP8 checkpoint dequantized to the model
+    dtype (only its loading attributes, `dequantize` and `modules_to_not_convert`, override the checkpoint's), as it
+    does by itself without a GPU: the resident part is then dense, like the experts the store dequantizes."""
+    from transformers import FineGrainedFP8Config
+
+    if isinstance(given, FineGrainedFP8Config):
+        given = copy.copy(given)
+        given.dequantize = True
+        return given
+    if given is not None:
+        return given          # transformers names the mismatch with the checkpoint's method
+    qc = _quantization_configs(config)[0]
+    return FineGrainedFP8Config(weight_block_size=list(_qc_get(qc, "weight_block_size")), dequantize=True,
+                                modules_to_not_convert=_qc_get(qc, "modules_to_not_convert"))
 
 
 def _quantized_layouts(policy: OffloadPolicy, layers: list[MoELayer], dtype: torch.dtype,
@@ -264,14 +340,20 @@ def _meta_skeleton(model_cls: type, config, kwargs: dict) -> nn.Module:
         return model_cls(config)
 
 
-def _requested_dtype(kwargs: dict, pieces) -> torch.dtype:
-    """The dtype the experts will have: the one asked for, else the checkpoint's (transformers' "auto")."""
+def _requested_dtype(kwargs: dict, pieces, config=None) -> torch.dtype:
+    """The dtype the experts will have: the one asked for, else the checkpoint's (transformers' "auto"); FP8 experts
+    are dequantized into the config's dtype (bfloat16 when it names none)."""
     requested = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if isinstance(requested, torch.dtype):
         return requested
     if isinstance(requested, str) and requested != "auto":
         return getattr(torch, requested)
-    return pieces[0][0][0].source.dtype
+    source = pieces[0][0][0]
+    if source.scales is None:
+        return source.source.dtype
+    named = getattr(config, "dtype", None)
+    named = getattr(torch, named) if isinstance(named, str) else named
+    return named if isinstance(named, torch.dtype) else torch.bfloat16
 
 
 def _device_map(skeleton: nn.Module, layers: list[MoELayer], device: torch.device) -> dict[str, str]:

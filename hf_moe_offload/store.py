@@ -1,7 +1,9 @@
 """Where experts live when they are not on the device: one contiguous slab per expert.
 
 - `DiskStore`: experts stay in the checkpoint's safetensors files; `read_into` preads one expert's bytes straight
-  into a destination buffer (a pinned staging buffer or a CPU cache slot). Host memory holds no expert.
+  into a destination buffer (a pinned staging buffer or a CPU cache slot). Host memory holds no expert. Fine-grained
+  FP8 experts (pieces with block scales) are dequantized into the model dtype as they are read, so every slab is
+  dense.
 - `CpuStore`: every expert in host memory as rows of one [E, slab] tensor per layer, page-locked in place when the
   device is CUDA (`HostMemory`), so a slab goes to the device in a single asynchronous copy.
 
@@ -26,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ._logging import progress
-from .checkpoint import pread_exact, read_into, split_range
+from .checkpoint import pread_exact, read_fp8_into, read_into, split_range
 from .layout import ExpertPiece, MoELayer, SlabLayout
 from .quantize import QuantizedSlabLayout
 
@@ -188,7 +190,8 @@ class DiskStore(ExpertStore):
         else:
             super().__init__(layouts, [lay.num_experts for lay in layers], torch.uint8, compute_dtype=dtype)
         self.pieces = pieces
-        self.files = sorted({p.source.path for layer in self.pieces for exp in layer for p in exp})
+        self.files = sorted({path for layer in self.pieces for exp in layer for p in exp
+                             for path in (p.source.path, p.scales.source.path if p.scales else p.source.path)})
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()   # several reader threads share the file descriptors
         self._bounce = threading.local()    # per reader thread: raw bytes awaiting dtype conversion
@@ -210,6 +213,10 @@ class DiskStore(ExpertStore):
             rows = piece.source.shape[0]
             target = parts[piece.part][piece.row:piece.row + rows]
             fd = self._fd(piece.source.path)
+            if piece.scales is not None:        # fine-grained FP8: dequantized on the way in (CPU work, per read)
+                read_fp8_into(piece.source, piece.scales, target, fd, self._fd(piece.scales.source.path),
+                              self._bounce_buffer(piece.source.nbytes))
+                continue
             if piece.source.dtype != self.dtype:
                 read_into(piece.source, target, fd, self._bounce_buffer(piece.source.nbytes))
                 continue

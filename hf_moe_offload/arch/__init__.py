@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError, CheckpointIndex
+from ..checkpoint import FP8_DTYPES, CheckpointError, CheckpointIndex
 # The shared shapes live in `layout`; re-exported here for the adapters and older imports.
 from ..layout import (RELEASED_ATTR, ExpertPiece, MoELayer, SlabLayout, alignment_offset,  # noqa: F401
                       empty_at_alignment, release_parameter, restore_parameter)
@@ -117,6 +117,12 @@ class MoEArch(ABC):
         shapes = dict(layout.parts)
         filled = {part: 0 for part in shapes}
         for p in pieces:
+            if p.source.dtype in FP8_DTYPES and p.scales is None:
+                # A plain dtype conversion would drop the block scales and give wrong weights silently.
+                raise CheckpointError(f"{p.source.path}: expert {expert} of {name} is stored as {p.source.dtype}, "
+                                      f"and {type(self).__name__} reads no block scales for it; fine-grained FP8 "
+                                      f"experts are read for the model types of FusedExpertsArch "
+                                      f"({', '.join(FUSED_MODEL_TYPES)})")
             want = shapes[p.part][1:]
             if tuple(p.source.shape[1:]) != tuple(want):
                 raise CheckpointError(f"{p.source.path}: expert {expert} of {name} has shape {p.source.shape}, "
@@ -127,6 +133,16 @@ class MoEArch(ABC):
                 raise CheckpointError(f"checkpoint {index.root} does not hold expert {expert} of {name} "
                                       f"({part}: {filled[part]} of {shape[0]} rows found)")
         return pieces
+
+
+def weight_piece(index: CheckpointIndex, part: str, row: int, key: str, expert: int | None = None) -> ExpertPiece:
+    """The piece of slab `part` from row `row` held by tensor `key` (by `key[expert]` for a fused [E, ...] key),
+    with its FP8 block scales when the tensor is fine-grained FP8.
+
+    Example:
+        >>> weight_piece(index, "gate_up", 0, "model.layers.0.mlp.experts.3.gate_proj.weight")   # doctest: +SKIP
+    """
+    return ExpertPiece(part, row, index.locate(key, row=expert), index.block_scales(key, row=expert))
 
 
 def _num_experts(module: nn.Module) -> int:
@@ -167,3 +183,5 @@ def get_arch(config) -> MoEArch:
 
 
 from . import fused, switch  # noqa: E402,F401  (registers the adapters)
+
+FUSED_MODEL_TYPES = fused.FusedExpertsArch.model_types

@@ -14,7 +14,7 @@ from torch import nn
 from ..checkpoint import CheckpointError, CheckpointIndex
 from ..execute import EXPERTS_IMPLEMENTATION
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, checkpoint_key_candidates, \
-    register_arch, release_parameter, restore_parameter
+    register_arch, release_parameter, restore_parameter, weight_piece
 
 _PREVIOUS_IMPL = "_hf_moe_offload_previous_experts_implementation"
 
@@ -59,14 +59,14 @@ class FusedExpertsArch(MoEArch):
         for prefix in checkpoint_key_candidates(name, renames):
             fused_gate_up, fused_down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
             if fused_gate_up in index and fused_down in index:
-                return [ExpertPiece("gate_up", 0, index.locate(fused_gate_up, row=expert)),
-                        ExpertPiece("down", 0, index.locate(fused_down, row=expert))]
+                return [weight_piece(index, "gate_up", 0, fused_gate_up, expert),
+                        weight_piece(index, "down", 0, fused_down, expert)]
             keys = [f"{prefix}.{expert}.{n}.weight" for n in (gate, up, down)]
             if all(k in index for k in keys):
-                gate_rng, up_rng, down_rng = (index.locate(k) for k in keys)
-                return [ExpertPiece("gate_up", 0, gate_rng),
-                        ExpertPiece("gate_up", gate_rng.shape[0], up_rng),
-                        ExpertPiece("down", 0, down_rng)]
+                gate_piece = weight_piece(index, "gate_up", 0, keys[0])
+                return [gate_piece,
+                        weight_piece(index, "gate_up", gate_piece.source.shape[0], keys[1]),
+                        weight_piece(index, "down", 0, keys[2])]
         raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked for "
                               f"{checkpoint_key_candidates(name, renames)[0]}.{expert}.{gate}.weight and the fused "
                               f"gate_up_proj/down_proj keys)")
