@@ -98,7 +98,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 QUANTIZATIONS = ("int8", "int4")
 DENSE_SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_layer")
 # Opt-in rows (--systems ...): look-ahead eviction; quantized experts at the dense rows' byte budget (more experts fit).
-EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", *(f"hf_moe_offload_{q}_same_bytes" for q in QUANTIZATIONS))
+EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", *(f"hf_moe_offload_{q}_same_bytes" for q in QUANTIZATIONS),
+                 "hf_moe_offload_cpu_compute", "hf_moe_offload_auto_compute")   # expert_compute: for --device cuda
 SYSTEMS = (*DENSE_SYSTEMS, *(f"hf_moe_offload_{q}" for q in QUANTIZATIONS), *EXTRA_SYSTEMS)  # quantized: --quantize
 OURS_POLICY = {"device": "cpu", "store": "disk", "expert_cache": "25%", "eviction": "lru"}
 # hf_moe_offload systems: the issue's policy (LRU) and the same with the library's default layer-aware eviction;
@@ -107,7 +108,10 @@ POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLIC
             **{f"hf_moe_offload_{q}": {**OURS_POLICY, "eviction": "layer", "quantize": q} for q in QUANTIZATIONS},
             **{f"hf_moe_offload_{q}_same_bytes": {**OURS_POLICY, "eviction": "layer", "quantize": q}
                for q in QUANTIZATIONS},
-            "hf_moe_offload_lookahead": {**OURS_POLICY, "eviction": "lookahead"}}
+            "hf_moe_offload_lookahead": {**OURS_POLICY, "eviction": "lookahead"},
+            # A missing expert computes on the CPU from the host copy ("cpu"), or where the measured costs say ("auto").
+            "hf_moe_offload_cpu_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "cpu"},
+            "hf_moe_offload_auto_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "auto"}}
 MiB, GiB = 2**20, 2**30
 MARKER = "bench_model.json"
 MAX_GPU_LAYERS = 32            # Mixtral-8x7B has 32
@@ -765,7 +769,9 @@ def summarize_steps(probe: StepProbe, gen_start: float, reads_start: int, batch:
 
 
 # Counters the engine may or may not have (read with .get: the script runs on library versions before and after).
-SCHEDULE_KEYS = ("passes", "last_schedule", "repeat_reads", "readahead_issued")
+SCHEDULE_KEYS = ("passes", "last_schedule", "repeat_reads", "readahead_issued", "prefetch_issued", "prefetch_wasted",
+                 "lookahead_on", "lookahead_precision", "lookahead_exposure", "lookahead_trial",
+                 "cpu_computed", "cpu_compute_s", "cpu_bytes_read", "placement")
 
 
 def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
@@ -773,7 +779,8 @@ def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
     pass touched (`experts_used` summed over layers: the routing the resident-set floor needs)."""
     first, last = probe.stats[0], probe.stats[-1]
     d = {k: last[k] - first[k] for k in ("hits", "misses", "evictions", "bytes_to_device", "stall_s")}
-    lookups = d["hits"] + d["misses"]
+    d["cpu_computed"] = last.get("cpu_computed", 0) - first.get("cpu_computed", 0)   # expert_compute rows
+    lookups = d["hits"] + d["misses"] + d["cpu_computed"]
     used = [s["experts_used"] for s in probe.stats]
     return {
         "decode": d,
@@ -1315,7 +1322,8 @@ def markdown_table(results: list[dict]) -> str:
         ref = r.get("reference", "resident")           # runs before `reference` was recorded compared to resident
         match = "ref" if r.get("tokens_match") is None else (
             f"yes ({ref})" if r["tokens_match"] else
-            f"no ({r['mismatched_tokens']}/{r['decode_tokens'] + r['batch']} vs {ref})")
+            f"no ({r['mismatched_tokens']} of {r['decode_tokens'] + r['batch']} differ from {ref}"
+            + (f", first at step {r['first_mismatch_step']})" if r.get("first_mismatch_step") is not None else ")"))
         lines.append("| " + " | ".join([
             r["system"], r.get("store") or "–", cap, str(r["batch"]), f"{r['load_s']:.1f}",
             fmt(r.get("prefill_tok_s"), ".1f"), ratio(bound.get("prefill_over_bound")), f"{r['decode_tok_s']:.2f}",
@@ -1354,10 +1362,12 @@ def cb_table(batching: dict[str, Any]) -> str:
 COLORS = {"resident": "#7f7f7f", "accelerate": "#d62728", "hf_moe_offload": "#1f77b4",
           "hf_moe_offload_layer": "#2ca02c", "hf_moe_offload_int8": "#9467bd", "hf_moe_offload_int4": "#ff7f0e",
           "hf_moe_offload_int8_same_bytes": "#8c564b", "hf_moe_offload_int4_same_bytes": "#e377c2",
-          "hf_moe_offload_lookahead": "#17becf"}
+          "hf_moe_offload_lookahead": "#17becf", "hf_moe_offload_cpu_compute": "#bcbd22",
+          "hf_moe_offload_auto_compute": "#393b79"}
 CACHE_COLORS = {"hf_moe_offload": "#9ecae1", "hf_moe_offload_layer": "#a1d99b", "hf_moe_offload_int8": "#c5b0d5",
                 "hf_moe_offload_int4": "#ffbb78", "hf_moe_offload_int8_same_bytes": "#c49c94",
-                "hf_moe_offload_int4_same_bytes": "#f7b6d2", "hf_moe_offload_lookahead": "#9edae5"}
+                "hf_moe_offload_int4_same_bytes": "#f7b6d2", "hf_moe_offload_lookahead": "#9edae5",
+                "hf_moe_offload_cpu_compute": "#dbdb8d", "hf_moe_offload_auto_compute": "#6b6ecf"}
 Group = tuple[int, "str | None", "int | None"]       # (batch, store, cap bytes)
 
 
