@@ -117,7 +117,8 @@ class ExpertCache:
         self.copy = None if self.zero_copy else make_copy_engine(store, device)
         self.placement = None
         if expert_compute == "auto" and not self.zero_copy:
-            self.placement = placement or ExpertPlacement.calibrated(device, store.dtype, self.slot_numel,
+            # Calibrated in the dtype experts compute in (a quantized store's slabs are uint8 bytes).
+            self.placement = placement or ExpertPlacement.calibrated(device, store.compute_dtype, self.slot_numel,
                                                                      store.in_host_memory, self.copy.meter)
             stats.placement = self.placement.measurements
         self._host_buffers: list[torch.Tensor] = []   # disk reads of experts computed on the CPU, made on first use

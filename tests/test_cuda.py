@@ -692,3 +692,15 @@ def test_e25_cpu_compute_yields_the_pinned_host_slab_and_copies_nothing():
     where = {e: slab.device.type for e, slab in cache.fetch(0, [1, 2], tokens=[1, 100_000])}
     assert where == {1: "cpu", 2: "cuda"}
     cache.close()
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_e26_quantized_experts_with_auto_compute_calibrate_in_the_compute_dtype(tiny_models, tmp_path, method):
+    """E26: quantize + expert_compute='auto' on a CUDA device: the store's slabs are uint8, the calibration runs in
+    the model dtype (uint8 matmuls do not exist); same tokens as 'device' with the same quantized experts."""
+    ids, mask = _ids(batch=3, left_pad=True)
+    copied = _on_gpu("mixtral", tiny_models["mixtral"], store="cpu", quantize=method, expert_cache="50%")
+    auto = _on_gpu("mixtral", tiny_models["mixtral"], store="cpu", quantize=method, expert_compute="auto",
+                   expert_cache="50%")
+    assert torch.equal(_generate(auto, ids, mask), _generate(copied, ids, mask))
+    assert hf_moe_offload.stats(auto)["cpu_flops"] > 0
