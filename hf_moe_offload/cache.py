@@ -33,14 +33,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 import torch
 
 from .copy_engine import make_copy_engine
-from .eviction import EvictionPolicy, Key, make_eviction
+from .eviction import EvictionPolicy, Key, RecencyIndex, make_eviction
 from .placement import ExpertPlacement
 from .policy import EXPERT_COMPUTES, PolicyError
 from .stats import OffloadStats
@@ -125,7 +124,10 @@ class ExpertCache:
         self.slots = [Slot(i) for i in range(self.num_slots)]
         self.free = self.slots[::-1]                             # a stack: slot 0 is handed out first
         self.resident: dict[Key, Slot] = {}                      # resident or loading
-        self.recency: OrderedDict[Key, None] = OrderedDict()     # least recently used first
+        self.recency = RecencyIndex()                             # least recently used first, overall and per layer
+        # Kept as sets so that no step scans every slot (thousands for a fine-grained MoE).
+        self._prefetched: set[Slot] = set()                      # slots holding an unused speculative load
+        self._in_flight: set[Slot] = set()                       # slots whose load nobody has waited for yet
         self.lock = threading.RLock()
         self.window: int | None = None       # streaming: most loads in flight or landed-unused at once
         self.ahead_room = 0                  # most read-ahead loads in flight or landed-unused at once
@@ -216,7 +218,7 @@ class ExpertCache:
         for key in keys:
             slot = self.resident.get(key)
             if slot is not None and slot.prefetched:
-                slot.prefetched = False
+                self._set_prefetched(slot, False)
                 self.stats.record_prefetch_hit(layer)
         landed = [k for k in keys if k in self.resident and self.resident[k].load is None]
         issued = [k for k in keys if k in self.resident and k not in landed]   # already on their way (prefetched)
@@ -376,7 +378,7 @@ class ExpertCache:
     def _issue_ahead(self, in_flight: int) -> None:
         """Load queued next-layer experts into the window's remaining room, as prefetches."""
         demand = in_flight if self.window is not None else 0     # a streamed layer shares its window
-        room = self.ahead_room - demand - sum(1 for slot in self.slots if slot.prefetched)
+        room = self.ahead_room - demand - len(self._prefetched)
         while self.ahead and room > 0:
             if self.ahead[0] in self.resident:
                 self.ahead.pop(0)
@@ -392,7 +394,7 @@ class ExpertCache:
         if slot is None:
             return False
         self._load(slot, key, demand=False)
-        slot.prefetched = True
+        self._set_prefetched(slot, True)
         self.stats.record_prefetch(key[0], self.store.slab_bytes(key[0]), readahead=readahead)
         return True
 
@@ -411,10 +413,12 @@ class ExpertCache:
         if key in self._loaded_this_pass:
             self.stats.record_repeat_read(key[0])
         self._loaded_this_pass.add(key)
-        slot.key, slot.prefetched = key, False
+        slot.key = key
+        self._set_prefetched(slot, False)
         self.resident[key] = slot
-        self.recency[key] = None
+        self.recency.touch(key)
         slot.load = self.copy.load(key[0], key[1], self.memory[slot.index], after=slot.release, demand=demand)
+        self._in_flight.add(slot)
         self.stats.set_resident(self.resident_bytes())
 
     def _free_slot(self, layer: int, speculative_for: int | None = None) -> Slot | None:
@@ -427,7 +431,7 @@ class ExpertCache:
         victim = self._victim(layer, speculative_for)
         if victim is None and speculative_for is None:
             # Demand beats prefetch: let an unused prefetch still in flight land, then it may be evicted.
-            in_flight = [s for s in self.slots if s.load is not None and s.pins == 0]
+            in_flight = [s for s in self._in_flight if s.load is not None and s.pins == 0]
             if in_flight:
                 self._wait_quietly(in_flight[0])
                 if self.free:                    # its read failed: the slot is free already
@@ -445,11 +449,9 @@ class ExpertCache:
         """Which unpinned, landed expert leaves to make room while `layer` computes. A speculative load never
         evicts another unused speculative load, nor an expert whose layer comes up no later than its own (that
         would trade a sure use for a guess)."""
-        candidates = [k for k in self.recency if self._evictable(self.resident[k], speculative_for)]
-        if not candidates:
-            return None
         policy = self.eviction if self.window is None else self.stream_eviction
-        return self.resident[policy.choose(candidates, layer)]
+        key = policy.select(self.recency, layer, lambda k: self._evictable(self.resident[k], speculative_for))
+        return None if key is None else self.resident[key]
 
     def _evictable(self, slot: Slot, speculative_for: int | None) -> bool:
         if slot.pins or slot.load is not None:
@@ -469,12 +471,21 @@ class ExpertCache:
     def _forget(self, slot: Slot) -> None:
         """The slot no longer holds its key (its memory may still be read by queued compute: `release` stays)."""
         del self.resident[slot.key]
-        self.recency.pop(slot.key, None)
-        slot.key, slot.pins, slot.load, slot.prefetched, slot.permanent = None, 0, None, False, False
+        self.recency.remove(slot.key)
+        self._set_prefetched(slot, False)
+        self._in_flight.discard(slot)
+        slot.key, slot.pins, slot.load, slot.permanent = None, 0, None, False
+
+    def _set_prefetched(self, slot: Slot, prefetched: bool) -> None:
+        slot.prefetched = prefetched
+        if prefetched:
+            self._prefetched.add(slot)
+        else:
+            self._prefetched.discard(slot)
 
     def _reap_finished_loads(self) -> None:
         """Prefetched loads that nobody waited for yet: once landed, their slots are ordinary residents."""
-        for slot in self.slots:
+        for slot in list(self._in_flight):
             if slot.load is not None and slot.pins == 0 and self._landed(slot):
                 self._wait_quietly(slot)
 
@@ -500,6 +511,7 @@ class ExpertCache:
             self.stats.set_resident(self.resident_bytes())
             raise
         slot.load = None
+        self._in_flight.discard(slot)
         if before is None:
             self.stats.record_stall(slot.key[0], time.perf_counter() - start)
         else:
@@ -541,8 +553,7 @@ class ExpertCache:
         self.resident[key].pins += 1
         pinned.append(key)
         self.eviction.on_use(key)
-        self.recency[key] = None
-        self.recency.move_to_end(key)
+        self.recency.touch(key)
 
     def _unpin(self, key: Key, pinned: list[Key]) -> None:
         pinned.remove(key)

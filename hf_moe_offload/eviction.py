@@ -3,6 +3,12 @@
 Each policy sees the candidates (unpinned, landed experts) in least-recently-used order and the layer that needs
 the slot; it may also track uses. `make_eviction(name, num_layers)` builds one from the policy's `eviction` field.
 
+The cache asks through `select(index, layer, evictable)`, where `index` (`RecencyIndex`) holds the resident keys in
+LRU order overall and per layer. The built-in policies walk it and stop at the first evictable key in their order
+(a fine-grained MoE's cache holds thousands of experts: building and scanning the full candidate list cost about
+1 ms of host time per MoE layer at 1536 slots); a policy that only overrides `choose` gets the full scan and the
+same answer.
+
 `LookAhead` ("lookahead") also takes what is known of the future: `predict(layer, experts)` (the next routers
 applied to the current hidden state: experts of a coming layer this very pass will use) and `observe(layer,
 experts)` (what the router chose: likely again at the next step). `schedule.StreamPlanner` feeds both.
@@ -15,10 +21,55 @@ Example:
 
 from __future__ import annotations
 
-from collections import Counter
-from typing import Sequence
+from collections import Counter, OrderedDict
+from typing import Callable, Iterator, Sequence
 
 Key = tuple[int, int]   # (layer, expert)
+
+
+class RecencyIndex:
+    """Resident keys, least recently used first, overall and per layer (so a policy that prefers some layers
+    reaches their least recent key without scanning the others).
+
+    Example:
+        >>> index = RecencyIndex(); index.touch((0, 1)); index.touch((1, 2)); index.touch((0, 1))
+        >>> list(index), list(index.of_layer(0))
+        ([(1, 2), (0, 1)], [(0, 1)])
+    """
+
+    def __init__(self) -> None:
+        self._all: OrderedDict[Key, None] = OrderedDict()
+        self._by_layer: dict[int, OrderedDict[Key, None]] = {}
+
+    def touch(self, key: Key) -> None:
+        """`key` is resident and was just used: it becomes the most recent."""
+        self._all[key] = None
+        self._all.move_to_end(key)
+        layer = self._by_layer.setdefault(key[0], OrderedDict())
+        layer[key] = None
+        layer.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._all.pop(key, None)
+        layer = self._by_layer.get(key[0])
+        if layer is not None:
+            layer.pop(key, None)
+
+    def clear(self) -> None:
+        self._all.clear()
+        self._by_layer.clear()
+
+    def __iter__(self) -> Iterator[Key]:
+        return iter(self._all)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._all
+
+    def of_layer(self, layer: int) -> Iterator[Key]:
+        return iter(self._by_layer.get(layer, ()))
 
 
 class EvictionPolicy:
@@ -32,6 +83,14 @@ class EvictionPolicy:
     def choose(self, candidates: Sequence[Key], layer: int) -> Key:
         """The victim among `candidates` (non-empty, least recently used first) to make room for `layer`."""
         return candidates[0]
+
+    def select(self, index: RecencyIndex, layer: int, evictable: Callable[[Key], bool]) -> Key | None:
+        """The victim among the keys of `index` that are `evictable`, or None: `choose` over all of them, or (LRU
+        itself) the first evictable one in LRU order."""
+        if type(self).choose is EvictionPolicy.choose:
+            return next((key for key in index if evictable(key)), None)
+        candidates = [key for key in index if evictable(key)]
+        return self.choose(candidates, layer) if candidates else None
 
 
 class LeastFrequentlyUsed(EvictionPolicy):
@@ -61,6 +120,19 @@ class LayerAware(EvictionPolicy):
 
     def choose(self, candidates: Sequence[Key], layer: int) -> Key:
         return max(candidates, key=lambda k: (k[0] - layer - 1) % self.num_layers)
+
+    def layers_furthest_first(self, layer: int) -> Iterator[int]:
+        """The layers in decreasing `(j - layer - 1) % L`: `layer` itself, the one before it, ... the next one."""
+        return ((layer - i) % self.num_layers for i in range(self.num_layers))
+
+    def select(self, index: RecencyIndex, layer: int, evictable: Callable[[Key], bool]) -> Key | None:
+        if type(self).choose is not LayerAware.choose:
+            return super().select(index, layer, evictable)
+        for j in self.layers_furthest_first(layer):       # same answer as `choose`: furthest layer, then its LRU
+            key = next((k for k in index.of_layer(j) if evictable(k)), None)
+            if key is not None:
+                return key
+        return None
 
 
 class LookAhead(LayerAware):
@@ -108,6 +180,18 @@ class LookAhead(LayerAware):
 
     def choose(self, candidates: Sequence[Key], layer: int) -> Key:
         return max(candidates, key=lambda k: self.distance(k, layer))   # max keeps the first (least recent) of ties
+
+    def select(self, index: RecencyIndex, layer: int, evictable: Callable[[Key], bool]) -> Key | None:
+        # Distances: unpredicted keys a whole step beyond every predicted one, then by layer, LRU within a layer.
+        for predicted in (False, True):
+            for j in self.layers_furthest_first(layer):
+                guess = self.guessed.get(j)
+                if guess is None:
+                    guess = self.recent.get(j, frozenset())
+                key = next((k for k in index.of_layer(j) if (k[1] in guess) == predicted and evictable(k)), None)
+                if key is not None:
+                    return key
+        return None
 
 
 def make_eviction(name: str, num_layers: int) -> EvictionPolicy:
