@@ -31,6 +31,18 @@ class MoEArch(ABC):
 
     model_types: tuple[str, ...] = ()
 
+    def supports(self, model_type: str | None) -> bool:
+        """Whether this adapter offloads models of `model_type`."""
+        return model_type in self.model_types
+
+    def refusal(self, model_type: str | None) -> str | None:
+        """Why `model_type`, a family this adapter recognises, cannot be offloaded; None if it can or is unknown."""
+        return None
+
+    def supported_types(self) -> tuple[str, ...]:
+        """Every model type this adapter offloads."""
+        return self.model_types
+
     @abstractmethod
     def is_experts_module(self, module: nn.Module) -> bool: ...
 
@@ -122,7 +134,7 @@ class MoEArch(ABC):
                 raise CheckpointError(f"{p.source.path}: expert {expert} of {name} is stored as {p.source.dtype}, "
                                       f"and {type(self).__name__} reads no block scales for it; fine-grained FP8 "
                                       f"experts are read for the model types of FusedExpertsArch "
-                                      f"({', '.join(FUSED_MODEL_TYPES)})")
+                                      f"({', '.join(fused.FusedExpertsArch().supported_types())})")
             want = shapes[p.part][1:]
             if tuple(p.source.shape[1:]) != tuple(want):
                 raise CheckpointError(f"{p.source.path}: expert {expert} of {name} has shape {p.source.shape}, "
@@ -169,19 +181,66 @@ def register_arch(arch: MoEArch) -> MoEArch:
 
 
 def supported_model_types() -> list[str]:
-    return sorted(t for arch in _REGISTRY for t in arch.model_types)
+    """Every model type hf_moe_offload can offload (the fused families are discovered from the installed
+    transformers on the first call: seconds).
+
+    Example:
+        >>> "mixtral" in hf_moe_offload.supported_model_types()
+        True
+    """
+    return sorted({t for arch in _REGISTRY for t in arch.supported_types()})
+
+
+def supported_families() -> list[dict[str, str]]:
+    """One row per model type hf_moe_offload knows, supported or refused: `model_type`, `experts` (the experts
+    class), `checkpoint` (how its experts are found in a Hub checkpoint), `status` ("supported", or "refused: why").
+    The README's table of families is generated from it.
+
+    Example:
+        >>> rows = supported_families()
+        >>> next(r for r in rows if r["model_type"] == "mixtral")["checkpoint"]
+        'per expert: w1, w3, w2'
+    """
+    from .fused import discover_families
+    rows = []
+    for family in discover_families().values():
+        if family.fused_renames:
+            where = "fused: " + ", ".join(old.removesuffix(".weight").rsplit(".", 1)[-1]
+                                          for old, _ in family.fused_renames)
+        elif family.expert_names:
+            where = "per expert: " + ", ".join(family.expert_names)
+        else:
+            where = "fused, or per expert gate_proj/up_proj/down_proj or w1/w3/w2"
+        rows.append({"model_type": family.model_type, "experts": ", ".join(family.experts_classes),
+                     "checkpoint": where, "status": "supported" if family.supported else f"refused: {family.refused}"})
+    for arch in _REGISTRY:
+        if not isinstance(arch, fused.FusedExpertsArch):
+            rows += [{"model_type": t, "experts": "own adapter (" + type(arch).__name__ + ")",
+                      "checkpoint": "per expert", "status": "supported"} for t in arch.model_types]
+    return sorted(rows, key=lambda r: r["model_type"])
 
 
 def get_arch(config) -> MoEArch:
-    """The adapter for `config.model_type`, or a clear error listing the supported model types."""
+    """The adapter for `config.model_type`, or a clear error saying why it is refused and listing the supported
+    model types.
+
+    Example:
+        >>> get_arch(MixtralConfig()).top_k(MixtralConfig())   # doctest: +SKIP
+        2
+    """
     model_type = getattr(config, "model_type", None)
     for arch in _REGISTRY:
-        if model_type in arch.model_types:
+        if arch.supports(model_type):
             return arch
-    raise UnsupportedModelError(f"model type {model_type!r} is not supported by hf_moe_offload; supported model "
-                                f"types: {supported_model_types()}")
+    for arch in _REGISTRY:
+        if (why := arch.refusal(model_type)) is not None:
+            raise UnsupportedModelError(f"model type {model_type!r} is not supported by hf_moe_offload: {why}; "
+                                        f"supported model types: {supported_model_types()}")
+    raise UnsupportedModelError(f"model type {model_type!r} is not supported by hf_moe_offload (it offloads the "
+                                f"families whose experts use transformers' fused experts interface, and Switch "
+                                f"Transformers); supported model types: {supported_model_types()}")
 
 
 from . import fused, switch  # noqa: E402,F401  (registers the adapters)
 
-FUSED_MODEL_TYPES = fused.FusedExpertsArch.model_types
+FUSED_MODEL_TYPES = fused.FusedExpertsArch.model_types   # the explicit entries; supported_model_types() has all

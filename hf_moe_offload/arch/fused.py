@@ -1,12 +1,24 @@
-"""Families whose experts transformers 5 keeps as fused 3D tensors behind `ExpertsInterface`:
-Mixtral, Qwen2-MoE (the shared expert stays resident), Qwen3-MoE, OLMoE.
+"""Families whose experts transformers 5 keeps as fused 3D tensors behind `ExpertsInterface`: every decoder family
+in the installed transformers whose experts class is decorated with `use_experts_implementation` in the layout
+below (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE, Phi-MoE, Granite-MoE, Jamba, ...). They are
+discovered from transformers' own code (`discover_families`), not hand-listed; `FAMILIES` keeps the entries that
+work without importing any modeling module.
 
-In memory: `gate_up_proj [E, 2I, H]` (gate rows first, then up) and `down_proj [E, H, I]`.
-On disk (Hub layout): per-expert `gate/up/down` keys under family-specific names, or the fused keys themselves.
-The offloaded forward is registered as the experts implementation "hf_moe_offload"; attaching selects it.
+In memory: `gate_up_proj [E, 2I, H]` (gate rows first, then up) and `down_proj [E, H, I]`, no bias, not transposed.
+On disk (Hub layout): per-expert `gate/up/down` keys under family-specific names (read off transformers'
+checkpoint conversion mapping), fused keys under a legacy name (Granite-MoE's `input_linear`/`output_linear`), or
+the fused keys themselves. The offloaded forward is registered as the experts implementation "hf_moe_offload";
+attaching selects it.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import inspect
+import logging
+import re
 
 import torch
 from torch import nn
@@ -16,69 +28,253 @@ from ..execute import EXPERTS_IMPLEMENTATION
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, checkpoint_key_candidates, \
     register_arch, release_parameter, restore_parameter, weight_piece
 
+logger = logging.getLogger(__name__)
+
 _PREVIOUS_IMPL = "_hf_moe_offload_previous_experts_implementation"
+
+# Per-expert checkpoint names (gate, up, down) seen in transformers' conversion mapping; tried for any family whose
+# own mapping names none (a checkpoint may have been written by another tool).
+_KNOWN_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+# Config attributes that hold the number of experts per token, in the order families use them.
+_TOP_K_ATTRS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k_experts",
+                "num_experts_per_token_routed", "top_k")
+_FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
+_SUPPORTED_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
+                    "has_post_expert_norm": False}
+_FLAG_REASONS = {"is_concatenated": "interleaved gate/up rows (is_concatenated=False)",
+                 "is_transposed": "transposed weights (is_transposed=True)",
+                 "has_bias": "biased experts (has_bias=True)",
+                 "has_gate": "no gate projection (has_gate=False)",
+                 "has_post_expert_norm": "a norm after each expert (has_post_expert_norm=True)"}
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One model type whose experts go through transformers' `ExpertsInterface`.
+
+    Example:
+        >>> from hf_moe_offload.arch.fused import family_for
+        >>> family_for("mixtral").expert_names
+        ('w1', 'w3', 'w2')
+    """
+
+    model_type: str
+    experts_classes: tuple[str, ...]                 # class names of its experts modules
+    expert_names: tuple[str, str, str] | None = None  # per-expert checkpoint names of (gate, up, down)
+    renames: tuple[tuple[str, str], ...] = ()        # (checkpoint, in-memory) module path renames
+    fused_renames: tuple[tuple[str, str], ...] = ()  # (checkpoint key, in-memory key) of fused tensors
+    refused: str | None = None                       # why its experts layout is not supported, or None
+
+    @property
+    def supported(self) -> bool:
+        return self.refused is None
+
+
+def _unescape(pattern: str) -> str | None:
+    """A conversion pattern as a plain string, or None when it is a real regular expression."""
+    plain = re.sub(r"\\(.)", r"\1", pattern)
+    return None if re.search(r"[\^$*+?()\[\]{}|]", plain.replace(".", "")) else plain
+
+
+def experts_flags(cls: type) -> dict[str, bool] | None:
+    """The layout flags `use_experts_implementation` gave `cls`, or None if it is not so decorated (read from the
+    decorator's closure, so no instance is needed)."""
+    init = getattr(cls, "__init__", None)
+    code = getattr(init, "__code__", None)
+    if code is None or "original_init" not in code.co_freevars:
+        return None
+    cells = dict(zip(code.co_freevars, (c.cell_contents for c in init.__closure__)))
+    if not all(f in cells for f in _FLAGS):
+        return None
+    return {f: bool(cells[f]) for f in _FLAGS}
+
+
+def _refusal(cls_name: str, flags: dict[str, bool]) -> str | None:
+    wrong = [_FLAG_REASONS[f] for f, ok in _SUPPORTED_FLAGS.items() if flags[f] != ok]
+    return None if not wrong else f"{cls_name} has {', '.join(wrong)}"
+
+
+def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tuple, tuple]:
+    """Per-expert names, module renames and fused-key renames of `model_type`, from transformers' checkpoint
+    conversion mapping (what its own loader applies to Hub checkpoints)."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+        conversions = get_checkpoint_conversion_mapping(model_type) or []
+    except Exception:   # noqa: BLE001  (an older transformers: fall back to the known names)
+        return None, (), ()
+    gate_up: list[str] = []
+    down: list[str] = []
+    renames, fused = [], []
+    for conv in conversions:
+        if type(conv).__name__ == "WeightConverter":    # per-expert keys merged into one fused tensor
+            target = re.sub(r"\\(.)", r"\1", conv.target_patterns[0])
+            sources = [re.sub(r"\\(.)", r"\1", s) for s in conv.source_patterns]
+            names = [m.group(1) for s in sources if (m := re.search(r"experts\.\*\.(\w+)\.weight$", s))]
+            if target.endswith("experts.gate_up_proj") and len(names) == 2:
+                gate_up = names
+            elif target.endswith("experts.down_proj") and len(names) == 1:
+                down = names
+            continue
+        if len(conv.source_patterns) != 1 or len(conv.target_patterns) != 1:
+            continue
+        source, target = _unescape(conv.source_patterns[0]), _unescape(conv.target_patterns[0])
+        if source is None or target is None:
+            continue
+        if target.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            fused.append((source, target))                 # a fused tensor under a legacy name (Granite-MoE)
+        elif source.startswith(".") and source.endswith(".") and target.endswith("."):
+            renames.append((source, target))               # a module path rename such as .block_sparse_moe. -> .mlp.
+    names = (gate_up[0], gate_up[1], down[0]) if gate_up and down else None
+    return names, tuple(renames), tuple(fused)
+
+
+def _modeling_module(model_type: str):
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+    name = model_type_to_module_name(model_type)
+    return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+
+
+@functools.lru_cache(maxsize=None)
+def discover_family(model_type: str) -> Family | None:
+    """The `Family` of `model_type` read from transformers' code, or None if its modeling module has no experts
+    class decorated with `use_experts_implementation` (or it has no modeling module).
+
+    Example:
+        >>> discover_family("deepseek_v3").expert_names
+        ('gate_proj', 'up_proj', 'down_proj')
+    """
+    try:
+        module = _modeling_module(model_type)
+    except Exception as exc:   # noqa: BLE001  (a missing optional dependency, an unknown model type)
+        logger.debug("model type %r: no modeling module (%s)", model_type, exc)
+        return None
+    classes = [(n, experts_flags(c)) for n, c in vars(module).items()
+               if inspect.isclass(c) and c.__module__ == module.__name__ and experts_flags(c) is not None]
+    if not classes:
+        return None
+    names, renames, fused = _checkpoint_names(model_type)
+    refused = [r for n, flags in classes if (r := _refusal(n, flags))]
+    family = _SEEN[model_type] = Family(model_type, tuple(n for n, _ in classes), names, renames, fused,
+                  refused="; ".join(refused) if len(refused) == len(classes) else None)
+    return family
+
+
+@functools.lru_cache(maxsize=1)
+def discover_families() -> dict[str, Family]:
+    """Every model type of transformers' causal-LM auto mapping whose experts use `use_experts_implementation`,
+    supported or refused (`Family.refused` says why). Imports each candidate modeling module once (seconds).
+
+    Example:
+        >>> discover_families()["gpt_oss"].refused                # doctest: +ELLIPSIS
+        'GptOssExperts has interleaved gate/up rows (is_concatenated=False), transposed weights ...'
+    """
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    found = dict(FusedExpertsArch.FAMILIES_BY_TYPE)
+    for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        if model_type not in found and (family := discover_family(model_type)) is not None:
+            found[model_type] = family
+    return dict(sorted(found.items()))
+
+
+_SEEN: dict[str, Family] = {}     # families discovered in this process, for their checkpoint names
+
+
+def _families_seen() -> list[Family]:
+    return list(FusedExpertsArch.FAMILIES_BY_TYPE.values()) + list(_SEEN.values())
+
+
+def _fused_candidates(prefix: str, fused_renames: tuple[tuple[str, str], ...]) -> list[tuple[str, str]]:
+    """(gate_up, down) keys that may hold the fused experts of module `prefix`: the in-memory names, and the legacy
+    names a conversion renames to them (Granite-MoE: `input_linear.weight`, `output_linear.weight`)."""
+    gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+    out = [(gate_up, down)]
+    for old, new in fused_renames:
+        if new.endswith("gate_up_proj") and new in gate_up:
+            out += [(gate_up.replace(new, old), down.replace(new_d, old_d)) for old_d, new_d in fused_renames
+                    if new_d.endswith("down_proj") and new_d in down]
+    return out
+
+
+def family_for(model_type: str | None) -> Family | None:
+    """The `Family` of `model_type`: an explicit entry, else discovered from transformers' code; None if its
+    experts do not use the experts interface."""
+    if model_type is None:
+        return None
+    return FusedExpertsArch.FAMILIES_BY_TYPE.get(model_type) or discover_family(model_type)
 
 
 class FusedExpertsArch(MoEArch):
-    """One adapter for every family listed in `FAMILIES`: they differ only in checkpoint key names."""
+    """One adapter for every family with fused experts: they differ only in checkpoint key names and in the config
+    attribute that holds the experts per token."""
 
-    # model_type -> (experts class name, per-expert checkpoint names of (gate, up, down), legacy module renames)
+    # model_type -> (experts class name, per-expert checkpoint names of (gate, up, down), legacy module renames).
+    # Known without importing any modeling module; every other family is discovered (`family_for`).
     FAMILIES = {
         "mixtral": ("MixtralExperts", ("w1", "w3", "w2"), ((".block_sparse_moe.", ".mlp."),)),
         "qwen2_moe": ("Qwen2MoeExperts", ("gate_proj", "up_proj", "down_proj"), ()),
         "qwen3_moe": ("Qwen3MoeExperts", ("gate_proj", "up_proj", "down_proj"), ()),
         "olmoe": ("OlmoeExperts", ("gate_proj", "up_proj", "down_proj"), ()),
     }
+    FAMILIES_BY_TYPE = {t: Family(t, (cls,), names, renames) for t, (cls, names, renames) in FAMILIES.items()}
     model_types = tuple(FAMILIES)
 
-    def is_experts_module(self, module: nn.Module) -> bool:
-        return any(type(module).__name__ == cls for cls, _, _ in self.FAMILIES.values())
+    def supports(self, model_type: str | None) -> bool:
+        family = family_for(model_type)
+        return family is not None and family.supported
 
-    def _family(self, module_or_config) -> tuple:
-        if isinstance(module_or_config, nn.Module):
-            for family in self.FAMILIES.values():
-                if type(module_or_config).__name__ == family[0]:
-                    return family
-        return self.FAMILIES[module_or_config.model_type]
+    def refusal(self, model_type: str | None) -> str | None:
+        family = family_for(model_type)
+        return None if family is None else family.refused
+
+    def supported_types(self) -> tuple[str, ...]:
+        return tuple(t for t, f in discover_families().items() if f.supported)
+
+    def is_experts_module(self, module: nn.Module) -> bool:
+        return experts_flags(type(module)) is not None
 
     def layout(self, module: nn.Module) -> SlabLayout:
         if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False) \
-                or not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False):
+                or not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False) \
+                or not getattr(module, "is_concatenated", True):
             raise UnsupportedModelError(f"{type(module).__name__} uses an experts layout hf_moe_offload does not "
-                                        f"support (transposed, biased, gateless or post-normed experts)")
+                                        f"support (transposed, biased, interleaved, gateless or post-normed "
+                                        f"experts); supported: gate_up_proj [E, 2I, H] gate rows first and "
+                                        f"down_proj [E, H, I], no bias")
         _, two_i, h = module.gate_up_proj.shape
         return SlabLayout(parts=(("gate_up", (two_i, h)), ("down", tuple(module.down_proj.shape[1:]))))
 
     def top_k(self, config) -> int:
-        return int(config.num_experts_per_tok)
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        for attr in _TOP_K_ATTRS:
+            value = getattr(text, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+        raise UnsupportedModelError(f"{type(text).__name__} names no number of experts per token that "
+                                    f"hf_moe_offload knows (looked for {', '.join(_TOP_K_ATTRS)})")
 
     def expert_pieces(self, index: CheckpointIndex, name: str, expert: int, layout: SlabLayout
                       ) -> list[ExpertPiece]:
-        gate, up, down = self._names_for(index, name)
-        renames = self._renames_for(name)
+        families = _families_seen()
+        renames = tuple(dict.fromkeys(r for f in families for r in f.renames))
+        fused_renames = tuple(dict.fromkeys(r for f in families for r in f.fused_renames))
+        name_sets = tuple(dict.fromkeys([f.expert_names for f in families if f.expert_names]
+                                        + list(_KNOWN_EXPERT_NAMES)))
         for prefix in checkpoint_key_candidates(name, renames):
-            fused_gate_up, fused_down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
-            if fused_gate_up in index and fused_down in index:
-                return [weight_piece(index, "gate_up", 0, fused_gate_up, expert),
-                        weight_piece(index, "down", 0, fused_down, expert)]
-            keys = [f"{prefix}.{expert}.{n}.weight" for n in (gate, up, down)]
-            if all(k in index for k in keys):
-                gate_piece = weight_piece(index, "gate_up", 0, keys[0])
-                return [gate_piece,
-                        weight_piece(index, "gate_up", gate_piece.source.shape[0], keys[1]),
-                        weight_piece(index, "down", 0, keys[2])]
+            for gate_up_key, down_key in _fused_candidates(prefix, fused_renames):
+                if gate_up_key in index and down_key in index:
+                    return [weight_piece(index, "gate_up", 0, gate_up_key, expert),
+                            weight_piece(index, "down", 0, down_key, expert)]
+            for gate, up, down in name_sets:
+                keys = [f"{prefix}.{expert}.{n}.weight" for n in (gate, up, down)]
+                if all(k in index for k in keys):
+                    gate_piece = weight_piece(index, "gate_up", 0, keys[0])
+                    return [gate_piece,
+                            weight_piece(index, "gate_up", gate_piece.source.shape[0], keys[1]),
+                            weight_piece(index, "down", 0, keys[2])]
         raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked for "
-                              f"{checkpoint_key_candidates(name, renames)[0]}.{expert}.{gate}.weight and the fused "
-                              f"gate_up_proj/down_proj keys)")
-
-    def _names_for(self, index: CheckpointIndex, name: str) -> tuple[str, str, str]:
-        for family in self.FAMILIES.values():
-            if any(f"{p}.0.{family[1][0]}.weight" in index for p in checkpoint_key_candidates(name, family[2])):
-                return family[1]
-        return ("gate_proj", "up_proj", "down_proj")
-
-    def _renames_for(self, name: str) -> tuple[tuple[str, str], ...]:
-        return tuple(r for family in self.FAMILIES.values() for r in family[2])
+                              f"{checkpoint_key_candidates(name, renames)[0]}.{expert}.<gate>.weight with <gate> "
+                              f"one of {sorted({n[0] for n in name_sets})} and the fused gate_up_proj/down_proj "
+                              f"keys)")
 
     def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
         return {"gate_up": module.gate_up_proj.data[expert], "down": module.down_proj.data[expert]}
@@ -95,7 +291,13 @@ class FusedExpertsArch(MoEArch):
             release_parameter(module, pname)
 
     def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
-        return model.get_submodule(layer.name.rsplit(".", 1)[0]).gate
+        block = model.get_submodule(layer.name.rsplit(".", 1)[0])
+        candidates = [m for attr in ("gate", "router") if isinstance(m := getattr(block, attr, None), nn.Module)]
+        # Some blocks have both (AFMoE: `gate` is an output gate, `router` routes): the router class wins.
+        routers = [m for m in candidates if re.search(r"Router|Gate$", type(m).__name__)]
+        if not (routers or candidates):
+            raise UnsupportedModelError(f"{type(block).__name__} at {layer.name} has no `gate` or `router` module")
+        return (routers or candidates)[0]
 
     def router_logits(self, output) -> torch.Tensor:
         return output[0]                                            # (router_logits [T, E], scores, indices)
