@@ -14,3 +14,12 @@ def test_readme_usage_snippet_runs(capsys):
     exec(compile(usage, str(README), "exec"), {})
     printed = capsys.readouterr().out
     assert "The import statement" in printed and "'misses':" in printed
+
+
+def test_readme_families_table_matches_the_registry():
+    from hf_moe_offload.arch import families_markdown
+    table = re.search(r"<!-- families:start -->\n(.*?)\n<!-- families:end -->", README.read_text(), flags=re.S)
+    assert table is not None, "README lost its generated families table"
+    assert table.group(1) == families_markdown(), ("README families table is stale; regenerate it with "
+                                                  "`python -c \"from hf_moe_offload.arch import families_markdown; "
+                                                  "print(families_markdown())\"`")

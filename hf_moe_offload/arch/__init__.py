@@ -220,6 +220,19 @@ def supported_families() -> list[dict[str, str]]:
     return sorted(rows, key=lambda r: r["model_type"])
 
 
+def families_markdown() -> str:
+    """The README's table of families (`supported_families()` as Markdown); tests check the README matches it.
+
+    Example:
+        >>> print(families_markdown().splitlines()[0])
+        | model type | experts class | experts in a Hub checkpoint | status |
+    """
+    lines = ["| model type | experts class | experts in a Hub checkpoint | status |", "|---|---|---|---|"]
+    lines += [f"| `{r['model_type']}` | {r['experts']} | {r['checkpoint']} | {r['status']} |"
+              for r in supported_families()]
+    return "\n".join(lines)
+
+
 def get_arch(config) -> MoEArch:
     """The adapter for `config.model_type`, or a clear error saying why it is refused and listing the supported
     model types.
