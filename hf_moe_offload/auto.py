@@ -137,7 +137,10 @@ def _config_int(config: Any, *names: str, default: int = 0) -> int:
     """The first of `names` that `config` sets to a positive int (configs name the same size differently, and
     leave some unset as None or 0)."""
     for name in names:
-        value = getattr(config, name, None)
+        try:
+            value = getattr(config, name, None)
+        except Exception:   # e.g. Gemma-4 refuses a global head_dim: it differs per layer (an estimate will do)
+            value = None
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return default

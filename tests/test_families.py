@@ -40,10 +40,6 @@ SKIP = {
     "lfm2_moe": "its conv/attention layer layout needs a hand-made tiny config",
     "qwen4_exp": "composite (vision + text) config",
     "qwen4_exp_text": "linear + indexed attention layers need a hand-made tiny config",
-    # Offloading refuses before loading: auto.py's KV-cache estimate reads config.head_dim, which Gemma-4's
-    # heterogeneous per-layer config refuses (AmbiguousGlobalPerLayerAttributeError). To fix in auto.py.
-    "gemma4": "auto.py reads config.head_dim, a per-layer attribute in Gemma-4 (to fix there)",
-    "gemma4_text": "auto.py reads config.head_dim, a per-layer attribute in Gemma-4 (to fix there)",
 }
 
 
