@@ -236,8 +236,12 @@ def register() -> None:
 register()
 
 
-def _check_model(model: nn.Module) -> None:
-    """Refuse, before changing anything, a model the CPU attention path does not cover."""
+def check_cpu_attention(model: nn.Module) -> None:
+    """Refuse, before changing anything, a model the CPU attention path does not cover (a meta skeleton will do).
+
+    Example:
+        >>> check_cpu_attention(model)      # raises PolicyError for an encoder-decoder model  # doctest: +SKIP
+    """
     config = getattr(model, "config", None)
     if config is None or not hasattr(model, "set_attn_implementation"):
         raise PolicyError(f"CPU attention needs a transformers PreTrainedModel, not {type(model).__name__}")
@@ -289,7 +293,7 @@ def use_cpu_attention(model: nn.Module) -> nn.Module:
     """
     if getattr(model, _STATE_ATTR, None) is not None:
         return model
-    _check_model(model)
+    check_cpu_attention(model)
     before = model.config._attn_implementation
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     handle = model.register_forward_pre_hook(_cache_to_host_hook, with_kwargs=True)

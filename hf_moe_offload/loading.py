@@ -70,6 +70,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     index = CheckpointIndex.open(root, block_size=block_size)
 
     skeleton = _meta_skeleton(model_cls, config, kwargs)
+    _check_attention(policy, skeleton)
     layers = arch.find_layers(skeleton)
     pieces = _locate_experts(arch, index, layers)
     dtype = _requested_dtype(kwargs, pieces, config)
@@ -96,6 +97,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes)
     if predictor is not None:
         engine.attach_predictor(predictor)
+    _apply_attention(model, engine)
     return model
 
 
@@ -116,6 +118,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
         raise PolicyError("this model is already offloaded by hf_moe_offload; call hf_moe_offload.disable(model) "
                           "first to change its policy")
     refuse_quantized_checkpoint(model.config)
+    _check_attention(policy, model)
     arch = get_arch(model.config)
     layers = arch.find_layers(model)
     expert_params = [p for lay in layers for p in lay.module.parameters()]
@@ -167,7 +170,32 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
         engine.on_detach.append(weakref.finalize(engine, remove_folder, folder))
     if predictor is not None:
         engine.attach_predictor(predictor)
+    _apply_attention(model, engine)
     return model
+
+
+def _check_attention(policy: OffloadPolicy, model: nn.Module) -> None:
+    """attention="cpu" on a model it cannot serve is refused before anything is loaded or allocated."""
+    if policy.attention == "cpu":
+        from .attention import check_cpu_attention
+
+        check_cpu_attention(model)
+
+
+def _apply_attention(model: PreTrainedModel, engine: OffloadEngine) -> None:
+    """attention="cpu": CPU attention against a host KV cache, undone by `disable()` (the engine's on_detach)."""
+    if engine.policy.attention != "cpu":
+        return
+    from .attention import cpu_attention_enabled, restore_attention, use_cpu_attention
+
+    if cpu_attention_enabled(model):      # the user turned it on already: theirs to undo
+        return
+    try:
+        use_cpu_attention(model)
+    except BaseException:
+        engine.detach()                   # a refused model is left as it was before
+        raise
+    engine.on_detach.append(lambda: restore_attention(model))
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:

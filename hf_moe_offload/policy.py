@@ -27,6 +27,7 @@ EVICTIONS = ("lru", "lfu", "layer", "lookahead")
 PREFETCHERS = ("auto", "none", "hash", "lookahead")
 QUANTIZATIONS = ("none", "int8", "int4")
 EXPERT_COMPUTES = ("device", "cpu", "auto")
+ATTENTIONS = ("device", "cpu")   # where attention runs and the KV cache lives (hf_moe_offload.attention)
 DEFAULT_INT4_GROUP_SIZE = 64     # quant_group_size="auto" for int4 (int8 is scaled per output channel)
 ROUTINGS = ("router", "predicted")
 SCHEDULES = ("auto", "on_demand", "stream")
@@ -159,6 +160,14 @@ class OffloadPolicy:
                           '--cpu-moe) or "auto" (per expert and step, whichever the measured bandwidth and CPU '
                           "throughput say is faster: few tokens on the CPU, many copied)."},
     )
+    attention: str = field(
+        default="device",
+        metadata={"help": 'Where attention runs and its KV cache lives: "device" (default: the model\'s own '
+                          'attention implementation, KV cache on the device) or "cpu" (MoE-Lightning, FlexGen: keys '
+                          "and values in (pinned) host memory, attention on the CPU, only the query and output cross "
+                          "PCIe; the batch is then limited by host memory, not device memory). Decoder-only models; "
+                          "generate_batch is refused with it. Exact within float tolerance."},
+    )
     resident_layers: int | str = field(
         default=0,
         metadata={"help": "The experts of the first N MoE layers stay on the device for the whole run and are "
@@ -214,6 +223,8 @@ class OffloadPolicy:
         if self.expert_compute not in EXPERT_COMPUTES:
             raise PolicyError(f"expert_compute={self.expert_compute!r} is not allowed; allowed: "
                               f"{list(EXPERT_COMPUTES)}")
+        if self.attention not in ATTENTIONS:
+            raise PolicyError(f"attention={self.attention!r} is not allowed; allowed: {list(ATTENTIONS)}")
         layers = self.resident_layers
         if isinstance(layers, str) and re.fullmatch(r"\s*[0-9]+\s*", layers):
             layers = int(layers)
