@@ -22,6 +22,7 @@ undoes it.
 from __future__ import annotations
 
 import logging
+import threading
 import weakref
 from typing import Any
 
@@ -204,18 +205,18 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
     return out.to(device), weights
 
 
-_mask_memo: dict[str, Any] = {"ref": None, "host": None}
+_mask_memo = threading.local()      # per thread: several threads may generate on one model
 
 
 def _host_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
     """The mask on the host; every layer of a pass gets the same mask object, so it is copied once per pass."""
     if mask is None or mask.device.type == "cpu":
         return mask
-    ref = _mask_memo["ref"]
+    ref, host = getattr(_mask_memo, "last", (None, None))
     if ref is not None and ref() is mask:
-        return _mask_memo["host"]
+        return host
     host = mask.to(HOST)
-    _mask_memo["ref"], _mask_memo["host"] = weakref.ref(mask), host
+    _mask_memo.last = (weakref.ref(mask), host)
     return host
 
 
@@ -271,6 +272,12 @@ def _cache_to_host_hook(module: nn.Module, args: tuple, kwargs: dict):
             kwargs["past_key_values"] = HostKVCache(config=module.config.get_text_config(decoder=True))
     elif isinstance(cache, DynamicCache):
         move_cache_to_host(cache)
+    elif isinstance(cache, Cache) and not getattr(cache, "_hf_moe_offload_warned", False):
+        cache._hf_moe_offload_warned = True
+        logger.warning("hf_moe_offload: CPU attention got a %s, which keeps its keys/values on the device: every "
+                       "layer copies them to the host at every step. Use the default dynamic cache (no "
+                       "cache_implementation) or past_key_values=HostKVCache(config=model.config)",
+                       type(cache).__name__)
     return args, kwargs
 
 
