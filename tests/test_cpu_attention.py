@@ -88,6 +88,11 @@ def test_user_caches_dynamic_and_host(tiny_models):
         assert torch.equal(out, expected[1].sequences)
         assert all(isinstance(layer, HostLayer) for layer in cache.layers)
         assert cache.layers[0].keys.device.type == "cpu" and cache.get_seq_length() == 7 + NEW_TOKENS - 1
+    # a static cache stays where transformers puts it (copied to the host per layer; a warning says so)
+    with torch.no_grad():
+        out = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                           pad_token_id=0, cache_implementation="static")
+    assert torch.equal(out, expected[1].sequences)
 
 
 def test_host_layer_grows_and_follows_batch_edits():
