@@ -31,6 +31,7 @@ import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
+from ..distributed import device_for_rank, launch_world
 from ..engine import get_engine
 from ..patch import auto_model_class, from_pretrained
 from ..policy import OffloadPolicy, PolicyError
@@ -55,7 +56,10 @@ UNSUPPORTED = {
     "gptqmodel": "GPTQModel models are not supported",
     "gguf_file": "GGUF checkpoints are not supported (use a safetensors checkpoint)",
 }
-_PREBUILT_WARNINGS = ("`pretrained` model kwarg is not of type `str`", "Passed an already-initialized model")
+# Only the warning about how the model was passed: the one about ranks ("assuming single-process call to evaluate()
+# or custom distributed integration") is lm-eval's to give, and under a multi-process launch this class does set up
+# the data-parallel ranks itself (`_join_launch`).
+_PREBUILT_WARNINGS = ("`pretrained` model kwarg is not of type `str`",)
 
 
 @register_model(MODEL_NAME)
@@ -80,6 +84,9 @@ class OffloadedHFLM(HFLM):
         if not isinstance(pretrained, str):
             raise TypeError(f"{MODEL_NAME} builds the model from a path; for a model you already built, use "
                             f"lm_eval.models.huggingface.HFLM(pretrained=model, tokenizer=...)")
+        _, _, world = launch_world()
+        if world > 1 and torch.cuda.is_available() and device in (None, "auto", "cuda"):
+            device = device_for_rank(device)           # one process per GPU: its local rank's
         policy, hflm_args, kwargs = split_model_args({"offload_policy": offload_policy, **kwargs}, device)
 
         load_args = {k: hflm_args[k] for k in ("revision", "subfolder", "trust_remote_code") if k in hflm_args}
@@ -99,7 +106,21 @@ class OffloadedHFLM(HFLM):
         self._device = torch.device(engine.policy.device)
         self.pretrained = pretrained                 # a name, not the model object, in lm-eval's results
         self.offload_policy = engine.policy
+        if world > 1:
+            self._join_launch()
         logger.info("%s: %s loaded with policy %s", MODEL_NAME, pretrained, engine.policy.to_dict())
+
+    def _join_launch(self) -> None:
+        """Data parallelism under `torchrun` / `accelerate launch`: each process holds its own offloaded model and
+        lm-eval splits the requests by rank and gathers the results (HFLM does this itself only for a model it
+        loads from a name on several GPUs; on CPUs the processes talk over gloo)."""
+        from accelerate import Accelerator
+
+        self.accelerator = Accelerator(cpu=self._device.type == "cpu")
+        self._rank = self.accelerator.process_index
+        self._world_size = self.accelerator.num_processes
+        logger.info("%s: data parallel, rank %d of %d (%s)", MODEL_NAME, self._rank, self._world_size,
+                    self.accelerator.distributed_type)
 
     def get_model_info(self) -> dict:
         """lm-eval's model info plus the resolved policy and the offload counters (lm-eval asks after the run)."""
