@@ -96,7 +96,7 @@ def _demo(args: argparse.Namespace) -> int:
         print(f"hf-moe-offload demo: error: {err}", file=sys.stderr)
         return 2
     result = run_demo(args.model, policy, args.max_new_tokens, args.prompt)
-    return 0 if result["identical"] else 1
+    return 0 if result["identical"] or result["approximate"] else 1   # quantized tokens may differ: opt-in
 
 
 if __name__ == "__main__":

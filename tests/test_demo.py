@@ -72,3 +72,12 @@ def test_auto_policy_loads_and_logs_its_plan(caplog):
     reference = AutoModelForCausalLM.from_pretrained(DEMO_MODEL)
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=3)
     assert torch.equal(model.generate(ids, **kwargs), reference.generate(ids, **kwargs))
+
+
+def test_demo_with_quantized_experts_says_the_tokens_are_approximate_and_exits_0(capsys):
+    from hf_moe_offload.cli import main
+
+    assert main(["demo", "--quantize", "int4", "--store", "disk", "--expert_cache", "25%", "--max-new-tokens",
+                 "8"]) == 0
+    out = capsys.readouterr().out
+    assert "as expected with quantize='int4' (approximate)" in out or "same tokens as without offloading: yes" in out
