@@ -1,0 +1,368 @@
+"""Plan a batch job: pick the schedule, resident expert share, micro-batch and attention placement that a roofline
+model (MoE-Lightning's HRM, FlexGen's policy search) predicts fastest within a memory budget.
+
+For every candidate the time of one pass is predicted layer by layer:
+- bytes that must move = the experts the pass touches (uniform routing: `expected_experts`) that are not in the
+  resident share, over the slowest link on their way (disk, host-to-device);
+- compute = each matmul as max(2W / F_batch1, 2nW / F_large) on the processor that runs it (weight-read bound for
+  few rows, arithmetic bound for many), attention as max(FLOPs / peak, KV bytes / memory bandwidth);
+- `on_demand` passes learn their experts at the layer's router, so the read and the compute of a layer follow each
+  other; `stream` passes read the next layer while this one computes (`stream` is a candidate only for passes
+  expected to touch half a layer's experts or more, as the engine's `schedule="auto"` decides: below that its
+  read-ahead guesses would cost bytes the model does not count);
+- plus the profile's fixed framework overhead per layer and pass, when it was measured.
+
+Throughput = generated tokens / (prefill + decode time), as MoE-Lightning reports it.
+
+Example:
+    >>> from hf_moe_offload.profile import load_profile
+    >>> shape = ModelShape(layers=32, experts=8, top_k=2, expert_bytes=352321536, dtype_bytes=2,
+    ...                    dense_params_per_layer=46_000_000, head_params=131_072_000, heads=32, head_dim=128,
+    ...                    kv_bytes_per_token=131072, activation_bytes_per_token=400_000, resident_bytes=3_200_000_000)
+    >>> plan = make_plan(shape, load_profile("t4"), batch=64, prompt_len=256, gen_len=64)
+    >>> plan.attention, plan.device_memory_bytes <= 16 << 30
+    ('cpu', True)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .auto import CUDA_HEADROOM_FLOOR, Footprint
+from .policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
+from .profile import MachineProfile
+from .schedule import STREAM_SHARE, expected_experts
+
+logger = logging.getLogger(__name__)
+
+RESIDENT_SHARES = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)   # besides "all that fits"
+HOST_HEADROOM = 0.15                                   # share of host memory the plan leaves free
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs of a model (bytes at the dtype it runs in).
+
+    Example:
+        >>> from transformers import MixtralConfig
+        >>> s = ModelShape.from_config(MixtralConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        ...                            num_attention_heads=4, num_key_value_heads=2, vocab_size=100), torch.bfloat16)
+        >>> s.expert_bytes, s.layers, s.experts
+        (36864, 2, 8)
+    """
+
+    layers: int                   # MoE layers
+    experts: int                  # per MoE layer
+    top_k: int
+    expert_bytes: int             # one expert
+    dtype_bytes: int
+    dense_params_per_layer: int   # matmul weights outside the experts, per layer (attention projections, router)
+    head_params: int              # the LM head (applied to one position per sequence in generate)
+    heads: int
+    head_dim: int
+    kv_bytes_per_token: int       # all layers
+    activation_bytes_per_token: int
+    resident_bytes: int           # everything that is not an expert
+
+    @property
+    def all_expert_bytes(self) -> int:
+        return self.layers * self.experts * self.expert_bytes
+
+    @classmethod
+    def from_footprint(cls, fp: Footprint, config: Any, dtype: torch.dtype) -> "ModelShape":
+        """From `loading.footprint()`'s sizes plus the config's attention shape."""
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        hidden = int(getattr(text, "hidden_size"))
+        heads = int(getattr(text, "num_attention_heads"))
+        head_dim = int(getattr(text, "head_dim", None) or hidden // heads)
+        vocab = int(getattr(text, "vocab_size"))
+        layers = len(fp.layer_experts)
+        embeddings = vocab * hidden * (1 if getattr(text, "tie_word_embeddings", False) else 2)
+        resident_params = fp.resident_bytes // dtype.itemsize
+        return cls(layers=layers, experts=max(fp.layer_experts), top_k=fp.top_k, expert_bytes=fp.slab_bytes,
+                   dtype_bytes=dtype.itemsize,
+                   dense_params_per_layer=max(0, resident_params - embeddings) // max(1, layers),
+                   head_params=vocab * hidden, heads=heads, head_dim=head_dim,
+                   kv_bytes_per_token=fp.kv_bytes_per_token,
+                   activation_bytes_per_token=fp.activation_bytes_per_token, resident_bytes=fp.resident_bytes)
+
+    @classmethod
+    def from_config(cls, config: Any, dtype: torch.dtype) -> "ModelShape":
+        """From a transformers config alone: a meta-device skeleton (no memory) measured by `footprint()`."""
+        from transformers import AutoModelForCausalLM
+
+        from .arch import get_arch
+        from .loading import footprint
+
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        layers = get_arch(config).find_layers(skeleton)
+        return cls.from_footprint(footprint(skeleton, layers, dtype), config, dtype)
+
+    @classmethod
+    def from_pretrained(cls, path: str) -> "ModelShape":
+        """From a checkpoint's config (local folder or Hub id), at the dtype it is stored in."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(path)
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+        return cls.from_config(config, dtype)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One policy to evaluate: per-phase schedule, resident share, tokens per pass, attention placement."""
+
+    prefill_schedule: str        # "on_demand" | "stream"
+    decode_schedule: str
+    resident_share: float        # share of all expert bytes held in the device cache (the rest moves)
+    micro_batch: int             # tokens per prefill pass (the token budget); decode runs every sequence at once
+    attention: str               # "device" | "cpu"
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen policy and its prediction.
+
+    Example:
+        >>> Plan(Candidate("stream", "on_demand", 0.25, 64, "device"), "cpu", "disk", 1 << 30, 100.0, 10.0, 9.5,
+        ...      "disk read", 1, 64, 16).explain()[:60]
+        'plan: prefill stream, decode on_demand, 25% of experts resid'
+    """
+
+    candidate: Candidate
+    device: str                  # "cpu" or "cuda"
+    store: str                   # "cpu" | "disk": where the experts that are not resident come from
+    device_memory_bytes: int     # what the plan uses on the device (never more than the budget)
+    prefill_tok_s: float
+    decode_tok_s: float
+    throughput_tok_s: float      # generated tokens / (prefill + decode)
+    binding: str                 # the resource that limits the phase taking most time
+    batch: int
+    prompt_len: int
+    gen_len: int
+
+    @property
+    def schedule(self) -> str:
+        return f"prefill {self.candidate.prefill_schedule}, decode {self.candidate.decode_schedule}"
+
+    def explain(self) -> str:
+        """One line: what was picked, its predicted tokens/s, and what binds."""
+        c = self.candidate
+        return (f"plan: {self.schedule}, {c.resident_share:.0%} of experts resident ({self.store} store), "
+                f"{c.micro_batch} tokens per prefill pass, attention on {c.attention}; device memory "
+                f"{format_bytes(self.device_memory_bytes)}; predicted prefill {self.prefill_tok_s:.1f} tok/s, decode "
+                f"{self.decode_tok_s:.1f} tok/s, {self.throughput_tok_s:.1f} generated tok/s overall; bound by "
+                f"{self.binding}")
+
+    def policy(self) -> dict[str, Any]:
+        """The offload policy fields this plan corresponds to."""
+        schedule = (self.candidate.decode_schedule if self.candidate.decode_schedule == self.candidate.prefill_schedule
+                    else "auto")
+        return {"device": "cuda:0" if self.device == "cuda" else "cpu", "store": self.store,
+                "expert_cache": f"{self.candidate.resident_share * 100:g}%", "schedule": schedule,
+                "attention": self.candidate.attention, "max_batch_size": self.batch,
+                "max_seq_len": self.prompt_len + self.gen_len}
+
+
+@dataclass(frozen=True)
+class PhaseTime:
+    seconds: float
+    binding: str
+
+
+def matmul_seconds(rows: int, params: float, flops: tuple[float, float]) -> float:
+    """A [rows, in] x [in, out] matmul with `params` weights: max(weight-read bound, arithmetic bound)."""
+    batch1, large = flops
+    return max(2.0 * params / batch1, 2.0 * rows * params / large)
+
+
+def pass_time(shape: ModelShape, profile: MachineProfile, cand: Candidate, device: str, store: str, tokens: int,
+              sequences: int, context: int, schedule: str, decode: bool) -> PhaseTime:
+    """Predicted seconds of one forward pass of `tokens` tokens over `sequences` sequences at `context`."""
+    on_gpu = device == "cuda"
+    dev_flops = (profile.device_flops / 8, profile.device_flops) if on_gpu else profile.cpu_flops(shape.dtype_bytes)
+    cpu_flops = profile.cpu_flops(shape.dtype_bytes)
+    expert_params = shape.expert_bytes / shape.dtype_bytes
+    # Experts: the distinct ones a pass touches, each on its share of the rows.
+    touched = expected_experts(tokens, shape.experts, shape.top_k)
+    rows = max(1, round(tokens * shape.top_k / touched))
+    t_experts = touched * matmul_seconds(rows, expert_params, dev_flops)
+    t_dense = matmul_seconds(tokens, shape.dense_params_per_layer, dev_flops)
+    # Attention core: scores and values over the context; bound by reading the KV cache in decode.
+    kv_layer = shape.kv_bytes_per_token / shape.layers
+    attn_flops = 4.0 * tokens * context * shape.heads * shape.head_dim
+    kv_bytes = kv_layer * context * sequences
+    if cand.attention == "cpu" or not on_gpu:
+        t_attn = max(attn_flops / cpu_flops[1], kv_bytes / profile.host_memcpy_bytes_per_s)
+        t_attn_io = (2 * tokens * shape.heads * shape.head_dim * shape.dtype_bytes / profile.h2d_bytes_per_s
+                     if on_gpu else 0.0)  # query out, output back; opposite directions overlap, count one
+    else:
+        t_attn = max(attn_flops / profile.device_flops, kv_bytes / profile.device_memory_bytes_per_s)
+        t_attn_io = 0.0
+    # Bytes that must move: touched experts outside the resident share.
+    move = touched * (1.0 - cand.resident_share) * shape.expert_bytes
+    link, link_name = _link(profile, device, store)
+    t_io = move / link if link else 0.0
+    t_compute = t_experts + t_dense + (t_attn if (on_gpu and cand.attention == "device") or not on_gpu else 0.0)
+    t_cpu_attn = t_attn if on_gpu and cand.attention == "cpu" else 0.0
+    overhead = profile.layer_overhead_s or 0.0
+    if schedule == "stream":
+        # Layer l+1 reads while layer l computes (CPU attention runs beside the device, CGOPipe-style).
+        per_layer = max(t_io + t_attn_io, t_compute, t_cpu_attn) + overhead
+        total = shape.layers * per_layer + min(t_io, per_layer)    # the first layer's read is not hidden
+        terms = {link_name: t_io + t_attn_io, _proc(device): t_compute, "CPU attention": t_cpu_attn}
+    else:
+        # The router names the experts; the read follows, then the compute.
+        per_layer = t_io + t_attn_io + max(t_compute, t_cpu_attn) + overhead
+        total = shape.layers * per_layer
+        terms = {link_name: t_io + t_attn_io, _proc(device): t_compute, "CPU attention": t_cpu_attn}
+    total += matmul_seconds(sequences, shape.head_params, dev_flops)
+    terms["framework overhead per layer"] = overhead
+    binding = max(terms, key=terms.get)
+    return PhaseTime(total, binding)
+
+
+def _proc(device: str) -> str:
+    return "GPU compute" if device == "cuda" else "CPU compute"
+
+
+def _link(profile: MachineProfile, device: str, store: str) -> tuple[float, str]:
+    """Bandwidth and name of the slowest link an expert crosses (0: nothing moves)."""
+    if device == "cuda":
+        if store == "disk":
+            return min(profile.disk_read_bytes_per_s, profile.h2d_bytes_per_s), (
+                "disk read" if profile.disk_read_bytes_per_s < profile.h2d_bytes_per_s else "host-to-device link")
+        return profile.h2d_bytes_per_s, "host-to-device link"
+    if store == "disk":
+        return profile.disk_read_bytes_per_s, "disk read"
+    return 0.0, "nothing moves"
+
+
+def predict(shape: ModelShape, profile: MachineProfile, cand: Candidate, device: str, store: str, batch: int,
+            prompt_len: int, gen_len: int) -> tuple[float, float, float, str]:
+    """(prefill tok/s, decode tok/s, generated tok/s overall, binding resource) of one candidate."""
+    prompt_tokens = batch * prompt_len
+    passes = math.ceil(prompt_tokens / cand.micro_batch)
+    seqs_per_pass = max(1, min(batch, math.ceil(cand.micro_batch / prompt_len)))
+    pre = pass_time(shape, profile, cand, device, store, min(cand.micro_batch, prompt_tokens), seqs_per_pass,
+                    prompt_len, cand.prefill_schedule, decode=False)
+    prefill_s = passes * pre.seconds
+    # Decode: every sequence in one pass; the context grows, take the middle step.
+    dec = pass_time(shape, profile, cand, device, store, batch, batch, prompt_len + gen_len // 2,
+                    cand.decode_schedule, decode=True)
+    decode_steps = max(0, gen_len - 1)   # the first new token comes out of the prefill
+    total = prefill_s + decode_steps * dec.seconds
+    binding = dec.binding if decode_steps * dec.seconds >= prefill_s else pre.binding + " (prefill)"
+    return prompt_tokens / prefill_s, batch / dec.seconds, batch * gen_len / total, binding
+
+
+def memory_needed(shape: ModelShape, cand: Candidate, device: str, batch: int, prompt_len: int, gen_len: int
+                  ) -> tuple[int, int]:
+    """(device bytes, host bytes beyond the experts) a candidate needs."""
+    kv = batch * (prompt_len + gen_len) * shape.kv_bytes_per_token
+    activations = max(cand.micro_batch, batch) * shape.activation_bytes_per_token
+    cache = max(_working_set(shape, cand), round(cand.resident_share * shape.all_expert_bytes))
+    floor = CUDA_HEADROOM_FLOOR if device == "cuda" else 0
+    on_device = shape.resident_bytes + cache + activations + floor + (kv if cand.attention == "device" else 0)
+    return on_device, (kv if cand.attention == "cpu" else 0)
+
+
+def _working_set(shape: ModelShape, cand: Candidate) -> int:
+    """The smallest cache a pass runs with: one layer's top-k; a streamed pass also its window."""
+    slots = shape.top_k
+    if "stream" in (cand.prefill_schedule, cand.decode_schedule):
+        slots = max(slots, DEFAULT_STREAM_WINDOW + shape.top_k)
+    return slots * shape.expert_bytes
+
+
+def candidates(shape: ModelShape, device: str, batch: int, prompt_len: int, budget: int) -> list[Candidate]:
+    """Every policy the planner weighs for this job."""
+    prompt_tokens = batch * prompt_len
+    micro = sorted({min(prompt_tokens, m) for m in (prompt_len, 256, 1024, 4096, prompt_tokens)})
+    fixed = shape.resident_bytes + CUDA_HEADROOM_FLOOR * (device == "cuda")
+    fits = max(0.0, min(1.0, (budget - fixed) / shape.all_expert_bytes))
+    shares = sorted({s for s in RESIDENT_SHARES if s <= fits} | {math.floor(fits * 1000) / 1000})
+    attentions = ("device", "cpu") if device == "cuda" else ("device",)
+
+    def schedules(tokens: int) -> tuple[str, ...]:
+        wide = expected_experts(tokens, shape.experts, shape.top_k) >= STREAM_SHARE * shape.experts
+        return ("on_demand", "stream") if wide else ("on_demand",)
+
+    out = []
+    for m in micro:
+        for pre in schedules(m):
+            for dec in schedules(batch):
+                for share in shares:
+                    for attn in attentions:
+                        out.append(Candidate(pre, dec, share, m, attn))
+    return out
+
+
+def make_plan(shape: ModelShape, profile: MachineProfile, batch: int, prompt_len: int, gen_len: int,
+              device_memory: int | None = None, store: str | None = None) -> Plan:
+    """The fastest candidate that fits `device_memory` (default: the profile's device memory, or 85% of host
+    memory on a CPU-only profile); raises PolicyError naming the smallest workable budget when none fits.
+
+    Example: see the module docstring.
+    """
+    for name, value in (("batch", batch), ("prompt_len", prompt_len), ("gen_len", gen_len)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise PolicyError(f"{name} must be an int >= 1, got {value!r}")
+    device = "cuda" if profile.has_device else "cpu"
+    host_budget = int(profile.host_memory_bytes * (1 - HOST_HEADROOM))
+    if device_memory is None:
+        device_memory = profile.device_memory_bytes if device == "cuda" else host_budget
+    if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1:
+        raise PolicyError(f"device_memory must be a number of bytes >= 1, got {device_memory!r}")
+    if store is None:   # as "auto" decides: experts in host memory when they fit beside the rest
+        host_needed = shape.all_expert_bytes + (shape.resident_bytes if device == "cpu" else 0)
+        # On the CPU device host-memory experts are used in place: they count against the budget too.
+        limit = min(host_budget, device_memory) if device == "cpu" else host_budget
+        store = "cpu" if host_needed <= limit else "disk"
+    if store not in ("cpu", "disk"):
+        raise PolicyError(f"store must be 'cpu' or 'disk', got {store!r}")
+    best: tuple[float, Plan] | None = None
+    smallest = None
+    for cand in candidates(shape, device, batch, prompt_len, device_memory):
+        if device == "cpu" and store == "cpu":   # host-memory experts are used in place: all resident
+            cand = dataclasses.replace(cand, resident_share=1.0)
+        on_device, on_host = memory_needed(shape, cand, device, batch, prompt_len, gen_len)
+        host_used = on_host + (shape.all_expert_bytes if store == "cpu" and device == "cuda" else 0)
+        if host_used > host_budget:
+            continue
+        smallest = on_device if smallest is None else min(smallest, on_device)
+        if on_device > device_memory:
+            continue
+        pre, dec, overall, binding = predict(shape, profile, cand, device, store, batch, prompt_len, gen_len)
+        plan = Plan(cand, device, store, on_device, pre, dec, overall, binding, batch, prompt_len, gen_len)
+        if best is None or overall > best[0]:
+            best = (overall, plan)
+    if best is None:
+        minimum = _smallest_budget(shape, device, batch, prompt_len, gen_len)
+        where = "device" if device == "cuda" else "host"
+        raise PolicyError(f"no plan fits device_memory={format_bytes(device_memory)} for batch={batch} x "
+                          f"{prompt_len + gen_len} tokens: the resident part is {format_bytes(shape.resident_bytes)}"
+                          f", one layer's top-k experts {format_bytes(shape.top_k * shape.expert_bytes)}; the "
+                          f"smallest workable {where} memory is {format_bytes(minimum)} (device_memory={minimum})"
+                          if minimum is not None else
+                          f"no plan fits: the KV cache of batch={batch} x {prompt_len + gen_len} tokens does not "
+                          f"fit host memory ({format_bytes(host_budget)} usable); lower the batch")
+    logger.info("hf_moe_offload %s", best[1].explain())
+    return best[1]
+
+
+def _smallest_budget(shape: ModelShape, device: str, batch: int, prompt_len: int, gen_len: int) -> int | None:
+    """The least device memory any candidate needs (None: even that does not fit host memory)."""
+    needs = []
+    for attn in (("device", "cpu") if device == "cuda" else ("device",)):
+        cand = Candidate("on_demand", "on_demand", 0.0, prompt_len, attn)
+        needs.append(memory_needed(shape, cand, device, batch, prompt_len, gen_len)[0])
+    return min(needs)
