@@ -1,4 +1,4 @@
-"""`hf-moe-offload` command line: `demo`, `perplexity`, `train-hash`, `lm-eval`, `version`.
+"""`hf-moe-offload` command line: `demo`, `perplexity`, `train-hash`, `lm-eval`, `profile`, `plan`, `version`.
 
 The policy of `demo` and `perplexity` is `--policy` (a preset name or a JSON object) and/or one flag per policy
 field (`--device`, `--store`, `--expert_cache`, `--eviction`, ...); a field flag overrides that field of `--policy`.
@@ -11,6 +11,8 @@ Example:
     $ hf-moe-offload lm-eval --model_args pretrained=PATH,offload_policy=auto --tasks hfmo --device cpu
     $ hf-moe-offload perplexity --model PATH --data heldout.jsonl --policy low-ram --out ppl.json
     $ hf-moe-offload train-hash --model PATH --dataset data.jsonl --out predictor/ --epochs 3
+    $ hf-moe-offload profile            # measure this machine once; `profile --show` prints the saved one
+    $ hf-moe-offload plan --model PATH --batch 64 --prompt-len 256 --gen-len 64 --profile t4 --device-memory 16GiB
 """
 
 from __future__ import annotations
@@ -57,6 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
         "train-hash", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="train a SiDA hash predictor (expert prefetching) on a model's own routing",
         description=train_hash.__doc__.split("\n\n")[0]))
+    prof = sub.add_parser("profile", help="measure this machine (disk, memcpy, matmul, host-to-device) and save it "
+                                          "for `plan`; --show prints the saved profile")
+    prof.add_argument("--show", action="store_true", help="print the saved profile instead of measuring")
+    prof.add_argument("--out", default=None, help="where to save (default: $HF_MOE_OFFLOAD_CACHE/profile.json)")
+    plan = sub.add_parser("plan", help="the schedule, resident experts, micro-batch and attention placement a "
+                                       "roofline model predicts fastest for a batch job, with its tok/s")
+    plan.add_argument("--model", required=True, help="a local checkpoint folder or Hub id (only its config is read)")
+    plan.add_argument("--batch", type=train_hash.positive_int, required=True)
+    plan.add_argument("--prompt-len", type=train_hash.positive_int, required=True)
+    plan.add_argument("--gen-len", type=train_hash.positive_int, required=True)
+    plan.add_argument("--profile", default=None, help="a profile file, or a shipped one: t4, l4 (default: this "
+                                                      "machine's, from `hf-moe-offload profile`)")
+    plan.add_argument("--device-memory", default=None, help="device memory budget, e.g. 16GiB (default: the "
+                                                            "profile's device memory; host memory on a CPU profile)")
+    plan.add_argument("--store", choices=("cpu", "disk"), default=None, help="default: cpu when host RAM holds "
+                                                                              "the experts")
     return parser
 
 
@@ -79,11 +97,49 @@ def main(argv: list[str] | None = None) -> int:
         from .training.cli import run_command
 
         return run_command(args, shlex.join(["hf-moe-offload", *argv]), prog="hf-moe-offload train-hash")
+    if args.command in ("profile", "plan"):
+        return _profile(args) if args.command == "profile" else _plan(args)
     if args.command == "perplexity":
         from .integrations import perplexity
 
         return perplexity.run(args)
     return _demo(args)
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from .profile import MachineProfile, ProfileError, default_profile_path, measure
+
+    path = args.out or default_profile_path()
+    if args.show:
+        try:
+            print(MachineProfile.load(path).summary())
+        except ProfileError as err:
+            print(f"hf-moe-offload profile: error: {err}", file=sys.stderr)
+            return 2
+        return 0
+    profile = measure()
+    print(profile.summary())
+    print(f"saved to {profile.save(path)}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from .planner import ModelShape, make_plan
+    from .policy import parse_size
+    from .profile import ProfileError, load_profile
+
+    try:
+        profile = load_profile(args.profile)
+        budget = None if args.device_memory is None else parse_size(args.device_memory, total=1 << 62)
+        plan = make_plan(ModelShape.from_pretrained(args.model), profile, args.batch, args.prompt_len, args.gen_len,
+                         device_memory=budget, store=args.store)
+    except (ProfileError, PolicyError) as err:
+        print(f"hf-moe-offload plan: error: {err}", file=sys.stderr)
+        return 2
+    print(f"profile: {profile.name}")
+    print(f"policy: {plan.policy()}")
+    print(plan.explain())
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:

@@ -355,7 +355,7 @@ def make_plan(shape: ModelShape, profile: MachineProfile, batch: int, prompt_len
                           if minimum is not None else
                           f"no plan fits: the KV cache of batch={batch} x {prompt_len + gen_len} tokens does not "
                           f"fit host memory ({format_bytes(host_budget)} usable); lower the batch")
-    logger.info("hf_moe_offload %s", best[1].explain())
+    logger.debug("hf_moe_offload %s", best[1].explain())
     return best[1]
 
 
