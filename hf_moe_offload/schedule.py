@@ -26,6 +26,7 @@ Example:
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 
 import torch
@@ -201,6 +202,7 @@ class StreamPlanner(LayerHook):
         self.next_in_stack = {a.index: b.index for a, b, sa, sb in zip(engine.layers, engine.layers[1:], stacks,
                                                                         stacks[1:]) if sa == sb}
         self.stack = dict(zip(self.layers, stacks))
+        self.last_of_stack = {stack: max(i for i, st in self.stack.items() if st == stack) for stack in set(stacks)}
         self.router_weights = {layer.index: engine.arch.router_weight(engine.model, layer) for layer in engine.layers}
         self._local = threading.local()      # each generating thread's position in its own pass
         self._exposure_base = (0.0, 0)       # (stall_s, misses) at the last exposure measurement
@@ -279,6 +281,14 @@ class StreamPlanner(LayerHook):
         else:   # on demand; while reading ahead, room for the next layer's top-k guesses
             self.cache.begin_pass(None, ahead_room=moe.top_k if self._local.reading else 0)
         self.counters.record_pass("stream" if streaming else "on_demand")
+        self._local.timing = ("stream" if streaming else "on_demand", tokens, time.perf_counter())
+
+    def on_layer_done(self, layer: int) -> None:
+        timing = getattr(self._local, "timing", None)
+        if timing is not None and layer == self.last_of_stack[self.stack[layer]]:
+            schedule, tokens, start = timing
+            self.counters.record_pass_time(schedule, tokens, time.perf_counter() - start)
+            self._local.timing = None
 
     def _reads_this_pass(self, streaming: bool) -> bool:
         """Whether this on-demand pass reads the next layers' guesses ahead: always with prefetch="lookahead"; with

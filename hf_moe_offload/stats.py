@@ -17,7 +17,9 @@
   `lookahead_exposure`: the measured share of a demand read that compute waited for (what a right guess can hide);
   `lookahead_trial`: whether reading ahead, once the precision allows it, measurably lowered the stall per pass
   (alternating blocks of passes with reads off and on: verdict "trial", "on" or "off", and both mean stalls);
-- `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape).
+- `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape);
+  `measured`: per schedule, the passes timed (first MoE layer's start to the last one's end), seconds per pass and
+  tokens per second: what `hf-moe-offload plan` predicts, measured.
 
 Example:
     >>> s = OffloadStats(num_layers=2, capacity_bytes=1024)
@@ -72,6 +74,7 @@ class OffloadStats:
             self.layer = {name: [0] * self.num_layers for name in PER_LAYER}
             self.forward_calls = 0
             self.passes: dict[str, int] = {}     # forward passes per schedule ("on_demand", "stream")
+            self.pass_time: dict[str, list] = {}  # schedule -> [passes timed, tokens, seconds] (first to last MoE layer)
             self.last_schedule: str | None = None
             self.peak_cache_bytes = self.resident_bytes   # the peak from now on starts at what is resident
 
@@ -115,6 +118,15 @@ class OffloadStats:
         with self._lock:
             self.lookahead_on, self.lookahead_precision, self.lookahead_break_even = on, precision, break_even
             self.lookahead_exposure = exposure
+
+    def record_pass_time(self, schedule: str, tokens: int, seconds: float) -> None:
+        """A pass of `tokens` tokens took `seconds` from its first MoE layer's start to its last one's end (host
+        clock): the measured side of a plan's predicted tokens/s (`hf-moe-offload plan`)."""
+        with self._lock:
+            timed = self.pass_time.setdefault(schedule, [0, 0, 0.0])
+            timed[0] += 1
+            timed[1] += tokens
+            timed[2] += seconds
 
     def record_pass(self, schedule: str) -> None:
         with self._lock:
@@ -172,6 +184,9 @@ class OffloadStats:
                 "hit_rate": totals["hits"] / lookups if lookups else 0.0,
                 "forward_calls": self.forward_calls,
                 "passes": dict(self.passes),
+                "measured": {schedule: {"passes_timed": n, "seconds_per_pass": secs / n,
+                                        "tokens_per_s": tokens / secs if secs > 0 else 0.0}
+                             for schedule, (n, tokens, secs) in self.pass_time.items()},
                 "last_schedule": self.last_schedule,
                 "resident_bytes": self.resident_bytes,
                 "peak_cache_bytes": self.peak_cache_bytes,

@@ -149,3 +149,19 @@ def test_lookahead_prefetch_in_on_demand_passes_is_exact_and_counted(tiny_models
     assert set(snap["passes"]) == {"on_demand"} and snap["readahead_issued"] > 0
     assert snap["prefetch_hits"] + snap["prefetch_wasted"] <= snap["prefetch_issued"] == snap["readahead_issued"]
     assert snap["peak_cache_bytes"] <= hf_moe_offload.get_engine(model).policy.expert_cache
+
+
+def test_stats_time_every_pass_per_schedule_and_reset_clears_them(tmp_path):
+    """The measured side of a plan: per schedule, every pass timed from its first MoE layer to its last."""
+    from conftest import build_tiny, offloaded, token_inputs
+
+    model = offloaded("mixtral", build_tiny("mixtral", tmp_path / "m"), device="cpu", store="disk",
+                      expert_cache="34%", schedule="on_demand")
+    ids, mask = token_inputs(1, 6)
+    model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    snap = hf_moe_offload.stats(model)
+    measured = snap["measured"]["on_demand"]
+    assert measured["passes_timed"] == snap["passes"]["on_demand"] == 4
+    assert measured["seconds_per_pass"] > 0 and measured["tokens_per_s"] > 0
+    snap.reset()
+    assert hf_moe_offload.stats(model)["measured"] == {}
