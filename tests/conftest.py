@@ -81,3 +81,11 @@ def reference(family: str, path: str):
 
 def offloaded(family: str, path: str, **policy):
     return model_class(family).from_pretrained(path, offload_policy=policy).eval()
+
+
+def forward_logits(model, family: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """One forward's logits (Switch: with the first 5 ids as decoder inputs), without autograd."""
+    with torch.no_grad():
+        if family == "switch_transformers":
+            return model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :5]).logits
+        return model(input_ids=ids, attention_mask=mask).logits

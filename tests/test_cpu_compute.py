@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_moe_offload
-from conftest import offloaded, reference, token_inputs
+from conftest import forward_logits, offloaded, reference, token_inputs
 from hf_moe_offload.placement import ExpertPlacement, check_placement, token_bucket
 from hf_moe_offload.policy import OffloadPolicy, PolicyError
 
@@ -44,13 +44,6 @@ def _inject(model, placement: ExpertPlacement) -> None:
     cache.stats.placement = placement.measurements
 
 
-def _forward_logits(model, family, ids, mask):
-    with torch.no_grad():
-        if family == "switch_transformers":
-            return model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :5]).logits
-        return model(input_ids=ids, attention_mask=mask).logits
-
-
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tokens_and_logits_match_the_unpatched_model(tiny_models, family, mode):
@@ -58,12 +51,12 @@ def test_tokens_and_logits_match_the_unpatched_model(tiny_models, family, mode):
     ids, mask = token_inputs(3, 8, seed=2, left_pad=True)
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     ref = reference(family, path)
-    expected, ref_logits = ref.generate(ids, **kwargs), _forward_logits(ref, family, ids, mask)
+    expected, ref_logits = ref.generate(ids, **kwargs), forward_logits(ref, family, ids, mask)
     model = offloaded(family, path, **DISK, **MODES[mode])
     if mode == "auto":
         _inject(model, gpu_like_placement())
     assert torch.equal(model.generate(ids, **kwargs), expected)
-    torch.testing.assert_close(_forward_logits(model, family, ids, mask), ref_logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(forward_logits(model, family, ids, mask), ref_logits, rtol=1e-4, atol=1e-5)
     snap = hf_moe_offload.stats(model)
     assert snap["hits"] + snap["misses"] + snap["cpu_computed"] == snap["experts_used"]
     assert snap["peak_cache_bytes"] <= snap["cache_capacity_bytes"]

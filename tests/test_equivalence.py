@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import hf_moe_offload
-from conftest import CAUSAL_FAMILIES, FAMILIES, offloaded, reference, token_inputs
+from conftest import CAUSAL_FAMILIES, FAMILIES, forward_logits, offloaded, reference, token_inputs
 
 POLICIES = {
     "cpu-store": {"device": "cpu", "store": "cpu"},
@@ -18,19 +18,12 @@ POLICIES = {
 _inputs = token_inputs
 
 
-def _logits(model, family, ids, mask):
-    with torch.no_grad():
-        if family == "switch_transformers":
-            return model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :5]).logits
-        return model(input_ids=ids, attention_mask=mask).logits
-
-
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_match_unpatched(tiny_models, family, policy):
     ids, mask = _inputs(2, 10)
-    ref = _logits(reference(family, tiny_models[family]), family, ids, mask)
-    out = _logits(offloaded(family, tiny_models[family], **POLICIES[policy]), family, ids, mask)
+    ref = forward_logits(reference(family, tiny_models[family]), family, ids, mask)
+    out = forward_logits(offloaded(family, tiny_models[family], **POLICIES[policy]), family, ids, mask)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 
@@ -61,10 +54,10 @@ def test_bfloat16_checkpoint_matches_to_dtype_tolerance(tmp_path):
 
     path = build_tiny("mixtral", tmp_path / "bf16", dtype=torch.bfloat16)
     ids, mask = _inputs(2, 10)
-    ref = _logits(reference("mixtral", path), "mixtral", ids, mask)
+    ref = forward_logits(reference("mixtral", path), "mixtral", ids, mask)
     model = offloaded("mixtral", path, device="cpu", store="disk", expert_cache="34%")
     assert next(model.parameters()).dtype == torch.bfloat16
-    out = _logits(model, "mixtral", ids, mask)
+    out = forward_logits(model, "mixtral", ids, mask)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
 
 
@@ -74,9 +67,9 @@ def test_fused_checkpoint_layout_is_read_per_expert(tmp_path):
 
     path = build_tiny("qwen3_moe", tmp_path / "fused", save_original_format=False)
     ids, mask = _inputs(2, 10)
-    ref = _logits(reference("qwen3_moe", path), "qwen3_moe", ids, mask)
-    out = _logits(offloaded("qwen3_moe", path, device="cpu", store="disk", expert_cache="34%"), "qwen3_moe", ids,
-                  mask)
+    ref = forward_logits(reference("qwen3_moe", path), "qwen3_moe", ids, mask)
+    model = offloaded("qwen3_moe", path, device="cpu", store="disk", expert_cache="34%")
+    out = forward_logits(model, "qwen3_moe", ids, mask)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_moe_offload
-from conftest import build_tiny, model_class, reference, token_inputs
+from conftest import build_tiny, forward_logits, model_class, reference, token_inputs
 from hf_moe_offload.arch import get_arch
 from hf_moe_offload.engine import read_layer_experts
 from hf_moe_offload.layout import SlabLayout
@@ -89,13 +89,6 @@ def test_fast_kernels_equal_generic_path(method, dtype):
 
 # -- offloaded quantized models ------------------------------------------------------------------------------------
 
-def _logits(model, family, ids, mask):
-    with torch.no_grad():
-        if family == "switch_transformers":
-            return model(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :5]).logits
-        return model(input_ids=ids, attention_mask=mask).logits
-
-
 def _dequantized_reference(family, path, model):
     """The unpatched model with every expert replaced by what the offloaded model computes with."""
     engine = hf_moe_offload.get_engine(model)
@@ -124,14 +117,14 @@ def test_quantized_model_matches_unpatched_model_with_dequantized_experts(tiny_m
     model = _load(family, tiny_models[family], tmp_path / "q" if store == "disk" else None, **policy)
     ref = _dequantized_reference(family, tiny_models[family], model)
     ids, mask = token_inputs(2, 10)
-    torch.testing.assert_close(_logits(model, family, ids, mask), _logits(ref, family, ids, mask), rtol=1e-4,
-                               atol=1e-4)
+    torch.testing.assert_close(forward_logits(model, family, ids, mask), forward_logits(ref, family, ids, mask),
+                               rtol=1e-4, atol=1e-4)
     ids, mask = token_inputs(1, 8, seed=2)
     kwargs = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
     # Approximate: the dequantized experts are not the checkpoint's.
     original = reference(family, tiny_models[family])
-    assert not torch.equal(_logits(original, family, ids, mask), _logits(model, family, ids, mask))
+    assert not torch.equal(forward_logits(original, family, ids, mask), forward_logits(model, family, ids, mask))
     if store == "disk":
         stats = hf_moe_offload.stats(model)
         assert stats["misses"] > 0
@@ -197,13 +190,13 @@ def test_disable_gives_back_the_dequantized_experts(tiny_models, tmp_path):
     engine = hf_moe_offload.get_engine(model)
     dequantized = [read_layer_experts(engine.store, layer, torch.device("cpu")) for layer in engine.layers]
     ids, mask = token_inputs(2, 10)
-    offloaded_logits = _logits(model, family, ids, mask)
+    offloaded_logits = forward_logits(model, family, ids, mask)
     state = model.state_dict()                          # save_pretrained writes these: dequantized too
     hf_moe_offload.disable(model)
     assert model.model.layers[0].mlp.experts.gate_up_proj.dtype == torch.float32
     torch.testing.assert_close(model.model.layers[0].mlp.experts.gate_up_proj.data, dequantized[0]["gate_up"])
     torch.testing.assert_close(state["model.layers.1.mlp.experts.down_proj"], dequantized[1]["down"])
-    torch.testing.assert_close(_logits(model, family, ids, mask), offloaded_logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(forward_logits(model, family, ids, mask), offloaded_logits, rtol=1e-4, atol=1e-4)
 
 
 def test_enable_quantizes_a_built_model(tiny_models, tmp_path):
@@ -212,8 +205,8 @@ def test_enable_quantizes_a_built_model(tiny_models, tmp_path):
                           offload_folder=tmp_path / "q")
     ref = _dequantized_reference("switch_transformers", tiny_models["switch_transformers"], model)
     ids, mask = token_inputs(2, 10)
-    torch.testing.assert_close(_logits(model, "switch_transformers", ids, mask),
-                               _logits(ref, "switch_transformers", ids, mask), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(forward_logits(model, "switch_transformers", ids, mask),
+                               forward_logits(ref, "switch_transformers", ids, mask), rtol=1e-4, atol=1e-4)
     with pytest.raises(PolicyError, match="disable"):
         model.half()                                    # still guarded, in the compute dtype (not uint8)
 
