@@ -100,7 +100,7 @@ class QuantizedPart:
 @dataclass(frozen=True)
 class QuantizedSlabLayout:
     """Byte layout of one quantized expert (uint8 slab). Same interface as `SlabLayout`: `numel`, `parts`,
-    `views(slab)`; plus `quantize_into`, `dequantize`, `prepare` (plain -> the layout's packing, in place)."""
+    `views(slab)`; plus `quantize_into` (in the layout's packing) and `dequantize`."""
 
     dense: SlabLayout
     method: str
@@ -143,10 +143,6 @@ class QuantizedSlabLayout:
         """The dense parts (name, [N, K]) this slab holds."""
         return self.dense.parts
 
-    @property
-    def needs_prepare(self) -> bool:
-        return any(p.packing != "plain" for p in self.qparts)
-
     def views(self, slab: torch.Tensor) -> dict[str, "QuantizedWeight"]:
         """Named `QuantizedWeight`s over a flat uint8 slab (zero-copy)."""
         return {p.name: QuantizedWeight(p, *self._regions(p, slab), self.compute_dtype) for p in self.qparts}
@@ -164,8 +160,8 @@ class QuantizedSlabLayout:
         return data.view(n, p.padded_k // 2), scales.view(p.groups, n, 2)            # [N, K/2], [G, N, 2]
 
     def quantize_into(self, dense: dict[str, torch.Tensor], slab: torch.Tensor) -> None:
-        """Quantize one expert's dense parts ({name: [N, K]}) into `slab` in the plain format; then `prepare`
-        gives the layout's packing."""
+        """Quantize one expert's dense parts ({name: [N, K]}) into `slab`, in the layout's packing (plain nibbles,
+        or torch's CPU int4 format)."""
         slab[:self.numel].zero_()     # padding bytes are deterministic: identical inputs give identical files
         for p in self.qparts:
             data, scales = self._regions(p, slab)
@@ -176,15 +172,8 @@ class QuantizedSlabLayout:
                 scales.copy_(s)
             else:
                 q, sz = quantize_int4(w, p.group, self.compute_dtype)
-                data.copy_(pack_nibbles(q))
+                data.copy_(to_cpu_int4(q) if p.packing == "cpu" else pack_nibbles(q))
                 scales.copy_(sz)
-
-    def prepare(self, slab: torch.Tensor) -> None:
-        """Convert a slab read in the plain format into this layout's packing, in place (no-op when plain)."""
-        for p in self.qparts:
-            if p.packing == "cpu":
-                data, _ = self._regions(p, slab)
-                data.copy_(to_cpu_int4(unpack_nibbles(data)))
 
     def dequantize(self, slab: torch.Tensor) -> dict[str, torch.Tensor]:
         """Dense parts [N, K] in the compute dtype (approximate weights) from a slab in this layout's packing."""

@@ -136,7 +136,6 @@ def write_quantized(folder: str, fingerprint: str, layouts: list[QuantizedSlabLa
         slabs = torch.empty(num_experts[layer], layout.numel, dtype=torch.uint8)   # [E, slab bytes]
         for e in range(num_experts[layer]):
             layout.quantize_into(read_expert(layer, e), slabs[e])
-            layout.prepare(slabs[e])
         name = f"quantized-layer-{layer:05d}.safetensors"
         tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")
         save_file({str(layer): slabs}, tmp)

@@ -206,8 +206,7 @@ class DiskStore(ExpertStore):
         reaches the disk's parallel bandwidth (measured here: 1.3 GB/s from one thread, 2.1 GB/s from four), which
         lets a streaming window of one or two slots keep the disk busy."""
         layout = self.layouts[layer]
-        quantized = isinstance(layout, QuantizedSlabLayout)
-        parts = layout.regions(dst) if quantized else layout.views(dst[:layout.numel])
+        parts = layout.regions(dst) if self.quantized else layout.views(dst[:layout.numel])
         chunks = []
         for piece in self.pieces[layer][expert]:
             rows = piece.source.shape[0]
@@ -307,22 +306,21 @@ class CpuStore(ExpertStore):
 
     @classmethod
     def build_quantized(cls, read_expert: Callable[[int, int], dict[str, torch.Tensor]],
-                  layouts: Sequence[QuantizedSlabLayout], num_experts: Sequence[int], compute_dtype: torch.dtype,
-                  pin: bool | None = None, device: torch.device | None = None,
-                  desc: str = "Quantizing experts into host memory") -> "CpuStore":
+                        layouts: Sequence[QuantizedSlabLayout], num_experts: Sequence[int],
+                        compute_dtype: torch.dtype, pin: bool | None = None, device: torch.device | None = None,
+                        desc: str = "Quantizing experts into host memory") -> "CpuStore":
         """Quantize every expert (`read_expert(layer, expert)` -> its dense parts, e.g. `dense_expert` on a
         checkpoint reader) into host slabs, one expert at a time (progress bar over layers).
 
         Example:
             >>> CpuStore.build_quantized(lambda l, e: dense_expert(reader, l, e), layouts, reader.num_experts,
-            ...                    reader.dtype)                                                 # doctest: +SKIP
+            ...                          reader.dtype)                                           # doctest: +SKIP
         """
         store = cls.allocate(layouts, num_experts, torch.uint8, pin, device, compute_dtype=compute_dtype)
         try:
             for layer in progress(range(len(store.slabs)), desc=desc, unit="layer"):
                 for e in range(store.num_experts[layer]):
                     layouts[layer].quantize_into(read_expert(layer, e), store.slabs[layer][e])
-                    layouts[layer].prepare(store.slabs[layer][e])
         except BaseException:
             store.close()
             raise

@@ -75,7 +75,6 @@ def test_fast_kernels_equal_generic_path(method, dtype):
     slab = torch.empty(layout.numel, dtype=torch.uint8)
     g = torch.Generator().manual_seed(2)
     layout.quantize_into({"up": torch.randn(96, 64, generator=g), "down": torch.randn(32, 48, generator=g)}, slab)
-    layout.prepare(slab)
     weights = layout.views(slab)
     for name, k in (("up", 64), ("down", 48)):
         x = torch.randn(5, k, generator=g).to(dtype)
@@ -254,7 +253,6 @@ def test_a_cpu_folder_stores_the_kernel_format_and_is_told_apart_from_plain_file
     store.read_into(0, 0, slab)
     expected = torch.empty(cpu.numel, dtype=torch.uint8)
     cpu.quantize_into({"up": w}, expected)
-    cpu.prepare(expected)
     assert torch.equal(slab, expected)
     store.close()
 
