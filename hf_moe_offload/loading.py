@@ -138,27 +138,20 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
     device = torch.device(resolved.policy.device)
 
     folder, own_folder = None, False
-    if policy.quantize != "none":
-        if resolved.policy.store == "disk":
-            folder, own_folder = (str(offload_folder), False) if offload_folder is not None else \
-                (temporary_folder(), True)
-        try:
+    if resolved.policy.store == "disk":
+        folder, own_folder = (str(offload_folder), False) if offload_folder is not None else (temporary_folder(), True)
+    try:
+        if policy.quantize != "none":
             store = _quantized_store(resolved.policy, layers, dtype, device,
                                      lambda l, e: arch.expert_tensors(layers[l].module, e), folder)
-        except BaseException:
-            if own_folder:
-                remove_folder(folder)
-            raise
-    elif resolved.policy.store == "disk":
-        folder, own_folder = (str(offload_folder), False) if offload_folder is not None else (temporary_folder(), True)
-        try:
+        elif folder is not None:
             store = DiskStore(layers, spill_experts(layers, arch, dtype, folder), dtype)
-        except BaseException:
-            if own_folder:
-                remove_folder(folder)
-            raise
-    else:
-        store = CpuStore.from_modules(layers, arch, dtype, device=device)
+        else:
+            store = CpuStore.from_modules(layers, arch, dtype, device=device)
+    except BaseException:
+        if own_folder:
+            remove_folder(folder)
+        raise
     moved_from = None
     if resident_device != device:
         move_resident_part(model, layers, device)
