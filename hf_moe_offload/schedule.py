@@ -65,7 +65,8 @@ class LookaheadGate:
       whose resident expert is then read again with about the cache's hit rate `h`: `(1 + h) * t`.
     It pays when `p * hit_saves > (1 - p) * (1 + h)`, i.e. precision `p > (1 + h) / (1 + h + hit_saves)`: at
     least 1/2, about 0.57 at a 30% hit rate. `hit_saves` starts at 1 and then follows the measured exposure
-    (`measured_exposure`: stall per demand miss / time of one read, fed by the planner every few misses). The precision and `h` are measured over the last `window` guesses
+    (`measured_exposure`: stall per demand miss / time of one read, fed by the planner every few misses). The
+    precision and `h` are measured over the last `window` guesses
     (h over the routed experts that were not guessed, so the look-ahead's own loads do not inflate it); reading
     starts once `min_guesses` are scored and precision is above the break-even, and stops when it falls
     `hysteresis` below it.
@@ -301,8 +302,7 @@ class StreamPlanner(LayerHook):
         if self.gate is None:
             return False
         if not self.gate.on:
-            if self.trial.verdict != "trial" or self.trial.passes[False] or self.trial.passes[True]:
-                self.trial.reset()
+            self.trial.reset()                      # what it measured is stale once the precision rule says no
             self._trial_base = None
             return False
         stall = self.counters.stall_and_misses()[0]

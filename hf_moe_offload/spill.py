@@ -65,8 +65,9 @@ def remove_folder(folder: str) -> None:
 # -- quantized experts on disk ------------------------------------------------------------------------------------
 #
 # A quantized folder holds one safetensors file per MoE layer with one uint8 tensor [E, slab bytes] (each row one
-# expert's quantized slab, in the packing its layout computes with) and a manifest written last: its fingerprint says what the files were made
-# from (source shards' names, sizes and mtimes; method, group size, dtype, shapes), its sizes let a later load check
+# expert's quantized slab, in the packing its layout computes with) and a manifest written last: its fingerprint
+# says what the files were made from (source shards' names, sizes and mtimes; method, group size, dtype, shapes,
+# packing), its sizes let a later load check
 # the files are whole. A folder whose manifest is missing, different or disagrees with the files is rebuilt.
 
 QUANTIZED_FORMAT = 2       # 2: slabs stored in the layout's packing (1: always plain, repacked at every read)

@@ -5,8 +5,8 @@
   own waits, timed by CUDA events (the host does not block there);
 - `cpu_computed` / `cpu_compute_s` / `cpu_bytes_read` (`expert_compute`): experts computed on the CPU instead of
   copied, their CPU time, and the disk bytes read into host buffers for them (`hits + misses + cpu_computed ==
-  experts_used`; `hit_rate` is hits over all three); with "auto" also the decision's measured inputs (`h2d_bytes_per_s`, `host_bytes_per_s`,
-  `cpu_flops`, `cpu_expert_s` per token bucket);
+  experts_used`; `hit_rate` is hits over all three); with "auto" also the decision's measured inputs
+  (`h2d_bytes_per_s`, `host_bytes_per_s`, `cpu_flops`, `cpu_expert_s` per token bucket);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those
   the router then used, those evicted unused; `readahead_issued`: the read-ahead's share of `prefetch_issued`;
 - `repeat_reads`: experts read more than once within one forward pass;
