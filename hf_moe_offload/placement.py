@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections import deque
 from typing import Any, Sequence
 
@@ -34,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from .policy import PolicyError, format_bytes
+from .profile import best_rate
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +185,9 @@ class ExpertPlacement:
         with torch.inference_mode(False), torch.no_grad():
             src = torch.ones(numel, dtype=dtype)
             dst = torch.empty_like(src)
-            placement.host_bytes_per_s = src.nbytes / _best_of(lambda: dst.copy_(src))
+            placement.host_bytes_per_s = best_rate(src.nbytes, lambda: dst.copy_(src), seconds=0)
             a, w = torch.ones(16, 512, dtype=dtype), torch.ones(512, 512, dtype=dtype)
-            placement.cpu_flops = 2 * 16 * 512 * 512 / _best_of(lambda: F.linear(a, w))
+            placement.cpu_flops = best_rate(2 * 16 * 512 * 512, lambda: F.linear(a, w), seconds=0)
             if device.type == "cuda":
                 pinned = src.pin_memory()
                 on_device = torch.empty(numel, dtype=dtype, device=device)
@@ -196,18 +196,9 @@ class ExpertPlacement:
                     on_device.copy_(pinned, non_blocking=True)
                     torch.cuda.synchronize(device)
 
-                placement.h2d_bytes_per_s = pinned.nbytes / _best_of(copy)
+                placement.h2d_bytes_per_s = best_rate(pinned.nbytes, copy, seconds=0)
                 del on_device
         return placement
-
-
-def _best_of(fn, repeat: int = 3) -> float:
-    best = float("inf")
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return max(best, 1e-9)
 
 
 # -- the budget of the static split, checked before anything is allocated ------------------------------------------

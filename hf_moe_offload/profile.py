@@ -255,8 +255,9 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
     return profile
 
 
-def _best_rate(work: float, run, seconds: float, min_runs: int = 3) -> float:
-    """Work per second of the fastest of several runs (others' load only slows a run down)."""
+def best_rate(work: float, run, seconds: float, min_runs: int = 3) -> float:
+    """Work per second of the fastest of several runs (others' load only slows a run down): at least `min_runs`,
+    and more until `seconds` have passed (`seconds=0`: exactly `min_runs`)."""
     best = math.inf
     start = time.perf_counter()
     runs = 0
@@ -308,7 +309,7 @@ def _pread_into(fd: int, view: memoryview, offset: int) -> int:
 def _memcpy_bandwidth(nbytes: int, seconds: float) -> float:
     src = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
     dst = torch.empty_like(src)
-    return _best_rate(2 * src.nbytes, lambda: dst.copy_(src), seconds)   # read + write, as STREAM counts copy
+    return best_rate(2 * src.nbytes, lambda: dst.copy_(src), seconds)   # read + write, as STREAM counts copy
 
 
 def _matmul_flops(rows: int, hidden: int, dtype: torch.dtype, device: str, seconds: float) -> float:
@@ -322,7 +323,7 @@ def _matmul_flops(rows: int, hidden: int, dtype: torch.dtype, device: str, secon
         sync()
 
     run()   # warm-up: first-call kernel selection
-    return _best_rate(2.0 * rows * hidden * 4 * hidden, run, seconds)
+    return best_rate(2.0 * rows * hidden * 4 * hidden, run, seconds)
 
 
 def _layer_overhead(device: str, seconds: float) -> float:
@@ -351,7 +352,7 @@ def _layer_overhead(device: str, seconds: float) -> float:
 
             for _ in range(3):   # warm-up: every expert read into the cache once
                 step()
-            steps_per_s = _best_rate(1.0, step, seconds, min_runs=5)
+            steps_per_s = best_rate(1.0, step, seconds, min_runs=5)
         return 1.0 / steps_per_s / layers
     finally:
         from . import disable
@@ -371,8 +372,8 @@ def _device_numbers(dev: torch.device, nbytes: int, hidden: int, seconds: float)
         other.copy_(on_dev)
         torch.cuda.synchronize(dev)
 
-    h2d_rate = _best_rate(nbytes, h2d, seconds)
-    mem_rate = _best_rate(2 * nbytes, d2d, seconds)
+    h2d_rate = best_rate(nbytes, h2d, seconds)
+    mem_rate = best_rate(2 * nbytes, d2d, seconds)
     flops = _matmul_flops(max(4096, hidden), 4 * hidden, torch.bfloat16, str(dev), seconds)
     del pinned, on_dev, other
     return {"h2d_bytes_per_s": h2d_rate, "device_flops": flops, "device_memory_bytes_per_s": mem_rate,
