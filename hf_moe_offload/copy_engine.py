@@ -19,6 +19,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import queue
@@ -81,6 +82,47 @@ def _run_best(jobs: list, lock: threading.Lock) -> None:
         future.set_result(result)
 
 
+class ReadClock:
+    """How long at least one store read was in flight, and the bytes read: the disk's busy time, so a benchmark
+    can tell a schedule that leaves the disk idle (busy share of a step below 1) from a disk that reads slowly
+    while busy (bytes / busy seconds). Thread-safe; reads on several readers at once count once.
+
+    Example:
+        >>> clock = ReadClock()
+        >>> with clock.reading(1 << 20): pass
+        >>> clock.bytes
+        1048576
+    """
+
+    def __init__(self) -> None:
+        self.busy_s = 0.0
+        self.bytes = 0
+        self._in_flight = 0
+        self._since = 0.0
+        self._lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def reading(self, nbytes: int):
+        with self._lock:
+            if self._in_flight == 0:
+                self._since = time.perf_counter()
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._in_flight -= 1
+                self.bytes += nbytes
+                if self._in_flight == 0:
+                    self.busy_s += time.perf_counter() - self._since
+
+    def snapshot(self) -> tuple[float, int]:
+        """(busy seconds, bytes) so far, counting a read still in flight up to now."""
+        with self._lock:
+            busy = self.busy_s + (time.perf_counter() - self._since if self._in_flight else 0.0)
+            return busy, self.bytes
+
+
 class CpuLoad:
     """Handle of one CPU load: `wait()` blocks until the slot is filled (or raises the read's error)."""
 
@@ -107,6 +149,7 @@ class CpuCopyEngine:
         """`readers`: threads reading at once (default: 1 for a host store, `DISK_READERS` for a disk store)."""
         self.store = store
         self.meter = TransferMeter()
+        self.read_clock = ReadClock()
         self._readers = PriorityReaders(readers or (1 if store.in_host_memory else DISK_READERS))
 
     def load(self, layer: int, expert: int, slot: torch.Tensor, after: object | None = None,
@@ -116,11 +159,15 @@ class CpuCopyEngine:
 
     def read_host(self, layer: int, expert: int, buffer: torch.Tensor) -> CpuLoad:
         """Read the expert into the host `buffer` (an expert computed on the CPU), as a demand load."""
-        return CpuLoad(self._readers.submit(lambda: self.store.read_into(layer, expert, buffer), True))
+        return CpuLoad(self._readers.submit(lambda: self._clocked_read(layer, expert, buffer), True))
+
+    def _clocked_read(self, layer: int, expert: int, buffer: torch.Tensor) -> None:
+        with self.read_clock.reading(self.store.slab_bytes(layer)):
+            self.store.read_into(layer, expert, buffer)
 
     def _timed_read(self, layer: int, expert: int, slot: torch.Tensor) -> None:
         start = time.perf_counter()
-        self.store.read_into(layer, expert, slot)
+        self._clocked_read(layer, expert, slot)
         self.meter.record(self.store.slab_bytes(layer), time.perf_counter() - start)
 
     def release_marker(self, device: torch.device) -> None:
@@ -197,6 +244,7 @@ class CudaCopyEngine:
         """`readers`: disk reads at once (a disk store gets `readers + 1` pinned staging buffers of one slab)."""
         self.store, self.device = store, device
         self.meter = TransferMeter()
+        self.read_clock = ReadClock()     # disk reads only (a host store's copies are timed by `meter`)
         self._memory = HostMemory(device)
         self._readers: PriorityReaders | None = None
         self._staging: StagingBuffers | None = None
@@ -225,7 +273,11 @@ class CudaCopyEngine:
             future: Future = Future()
             future.set_result(self.store.read_into(layer, expert, buffer))
             return CpuLoad(future)
-        return CpuLoad(self._readers.submit(lambda: self.store.read_into(layer, expert, buffer), True))
+        return CpuLoad(self._readers.submit(lambda: self._clocked_read(layer, expert, buffer), True))
+
+    def _clocked_read(self, layer: int, expert: int, buffer: torch.Tensor) -> None:
+        with self.read_clock.reading(self.store.slab_bytes(layer)):
+            self.store.read_into(layer, expert, buffer)
 
     def _copy(self, host: torch.Tensor, slot: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
         """Issue the copy on the copy stream (under this device, so a reader thread touches no other GPU)."""
@@ -246,7 +298,7 @@ class CudaCopyEngine:
         buffer = self._staging.acquire()
         copied = None
         try:
-            self.store.read_into(layer, expert, buffer)
+            self._clocked_read(layer, expert, buffer)
             copied = self._copy(buffer[:self.store.layouts[layer].numel], slot, after)
             return copied
         finally:

@@ -780,6 +780,9 @@ def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
     first, last = probe.stats[0], probe.stats[-1]
     d = {k: last[k] - first[k] for k in ("hits", "misses", "evictions", "bytes_to_device", "stall_s")}
     d["cpu_computed"] = last.get("cpu_computed", 0) - first.get("cpu_computed", 0)   # expert_compute rows
+    if "read_busy_s" in last:      # the disk's busy time: idle gaps (schedule) vs slow reads (disk)
+        d["read_busy_s"] = last["read_busy_s"] - first["read_busy_s"]
+        d["read_clock_bytes"] = last["read_clock_bytes"] - first["read_clock_bytes"]
     lookups = d["hits"] + d["misses"] + d["cpu_computed"]
     used = [s["experts_used"] for s in probe.stats]
     return {
@@ -793,6 +796,20 @@ def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
         "peak_cache_bytes": last["peak_cache_bytes"],
         "schedule": {k: last[k] for k in SCHEDULE_KEYS if k in last},     # whole generate (prefill + decode)
     }
+
+
+def read_clock(model) -> dict[str, float]:
+    """Seconds with at least one store read in flight and the bytes read, summed over the engine's copy engines
+    (`ReadClock`; absent in library versions before it, and for a zero-copy cache)."""
+    import hf_moe_offload
+
+    engine = hf_moe_offload.get_engine(model)
+    caches = getattr(engine, "caches", None) or [getattr(engine, "cache", None)]
+    clocks = [c.copy.read_clock for c in caches if getattr(getattr(c, "copy", None), "read_clock", None)]
+    if not clocks:
+        return {}
+    snaps = [clock.snapshot() for clock in clocks]
+    return {"read_busy_s": sum(s[0] for s in snaps), "read_clock_bytes": sum(s[1] for s in snaps)}
 
 
 def peak_rss_bytes() -> int:
@@ -905,7 +922,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         import hf_moe_offload
 
         hf_moe_offload.stats(model).reset()
-        snapshot = lambda: dict(hf_moe_offload.stats(model))  # noqa: E731
+        snapshot = lambda: {**hf_moe_offload.stats(model), **read_clock(model)}  # noqa: E731
     ids, mask = make_prompt(spec["vocab"], batch, spec["prompt_len"], spec["seed"])
     ids, mask = ids.to(compute_device(spec)), mask.to(compute_device(spec))
     probe = StepProbe(evict_files, snapshot, synchronizer(spec))
@@ -931,6 +948,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if system in POLICIES:
         result["policy"] = policy_for(spec)
         result["ours"] = summarize_ours(probe, result["decode_tokens"])
+        decode = result["ours"]["decode"]
+        if decode.get("read_busy_s"):     # share of the decode time the disk was reading, and its rate meanwhile
+            decode["read_busy_share"] = decode["read_busy_s"] / result["decode_s"]
+            decode["read_bytes_per_busy_s"] = decode["read_clock_bytes"] / decode["read_busy_s"]
         import hf_moe_offload
 
         # One expert as the row stores and moves it (quantized rows: fewer bytes than the checkpoint's).

@@ -249,3 +249,30 @@ def test_host_memory_without_a_device_pins_nothing():
     with pytest.raises(ValueError, match="pinned host memory needs a CUDA device"):
         pinning_device(True, torch.device("cpu"))
     store.close()
+
+
+def test_read_clock_counts_overlapping_reads_once():
+    """The disk's busy time: two reads in flight together count their union, not their sum."""
+    import threading
+    import time
+
+    from hf_moe_offload.copy_engine import ReadClock
+
+    clock = ReadClock()
+    inside = threading.Barrier(2)
+
+    def read():
+        with clock.reading(100):
+            inside.wait()
+            time.sleep(0.05)
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - start
+    busy, nbytes = clock.snapshot()
+    assert nbytes == 200
+    assert 0.05 <= busy <= wall          # the union of two overlapping 50 ms reads, not 100 ms
