@@ -12,7 +12,7 @@ What the model keeps promising while offloaded:
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -25,6 +25,9 @@ from .policy import OffloadPolicy, PolicyError
 from .schedule import StreamPlanner
 from .stats import OffloadStats, StatsSnapshot
 from .store import ExpertStore
+
+if TYPE_CHECKING:
+    from .devices import CacheGroup, DevicePlan
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +73,16 @@ class OffloadEngine:
     """
 
     def __init__(self, model: nn.Module, policy: OffloadPolicy, arch: MoEArch, layers: list[MoELayer],
-                 store: ExpertStore, cache: ExpertCache, stats: OffloadStats, restore_device: torch.device,
-                 moved_resident_from: torch.device | None):
+                 store: ExpertStore, cache: "ExpertCache | CacheGroup", stats: OffloadStats,
+                 restore_device: torch.device, moved_resident_from: torch.device | None,
+                 devices: "DevicePlan | None" = None):
         self.model, self.policy, self.arch, self.layers = model, policy, arch, layers
         self.store, self.cache, self.stats = store, cache, stats
         self.restore_device = restore_device            # where experts go back on detach
+        self.devices = devices                          # several cache devices (a device_map), else None
+        # Each layer's experts go back to its own device (the device_map's), else all to restore_device.
+        self.restore_devices = [devices.physical[d] for d in devices.layer_devices] if devices is not None \
+            else [restore_device] * len(layers)
         self.moved_resident_from = moved_resident_from  # where the non-expert part was before enable(), if moved
         self.runtimes = [LayerRuntime(self, layer) for layer in layers]
         self.hooks: list[LayerHook] = []
@@ -85,32 +93,44 @@ class OffloadEngine:
     @classmethod
     def attach(cls, model: nn.Module, policy: OffloadPolicy, arch: MoEArch, layers: list[MoELayer],
                store: ExpertStore, budget_bytes: int, restore_device: torch.device | None = None,
-               moved_resident_from: torch.device | None = None) -> "OffloadEngine":
+               moved_resident_from: torch.device | None = None, devices: "DevicePlan | None" = None
+               ) -> "OffloadEngine":
         """Release the experts' parameters, then allocate the cache (so a model whose experts sat on the device
-        frees them first) and route the experts' forward through it."""
+        frees them first) and route the experts' forward through it. `devices` (a device_map over several
+        devices): one cache per device with its own budget (`devices.CacheGroup`); `budget_bytes` is then their
+        sum."""
         device = torch.device(policy.device)
         restore_to = restore_device or device
+        restore_each = [devices.physical[d] for d in devices.layer_devices] if devices is not None \
+            else [restore_to] * len(layers)
         for layer in layers:
             arch.release_expert_params(layer.module)
-        if device.type == "cuda":
+        if device.type == "cuda" or any(d.type == "cuda" for d in restore_each):
             torch.cuda.empty_cache()              # the released experts' blocks, before the cache asks for its own
         stats = OffloadStats(num_layers=len(layers))
         try:
-            cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats, policy.expert_compute,
-                                policy.resident_layers)
+            if devices is not None:
+                from .devices import build_cache_group
+
+                cache = build_cache_group(store, devices, policy, stats)
+            else:
+                cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats, policy.expert_compute,
+                                    policy.resident_layers)
         except BaseException:                     # e.g. out of device memory: give the experts back, unchanged
-            for layer in layers:
-                arch.set_expert_params(layer.module, read_layer_experts(store, layer, restore_to))
+            for layer, to in zip(layers, restore_each):
+                arch.set_expert_params(layer.module, read_layer_experts(store, layer, to))
             raise
-        engine = cls(model, policy, arch, layers, store, cache, stats, restore_to, moved_resident_from)
+        engine = cls(model, policy, arch, layers, store, cache, stats, restore_to, moved_resident_from, devices)
         if not cache.zero_copy:
             engine.add_hook(StreamPlanner(engine))     # per-pass schedule: on demand, or streamed in forward order
         for layer, runtime in zip(layers, engine.runtimes):
             arch.attach(model, layer, runtime)
         engine._guard_model()
         setattr(model, ENGINE_ATTR, engine)
+        where = policy.device if devices is None else ", ".join(
+            f"{d}: {len(devices.layers_of(d))} layers" for d in devices.cache_devices)
         logger.info("hf_moe_offload: %d MoE layers offloaded (device=%s, store=%s, %d cache slots%s)", len(layers),
-                    policy.device, policy.store, cache.num_slots, ", zero-copy" if cache.zero_copy else "")
+                    where, policy.store, cache.num_slots, ", zero-copy" if cache.zero_copy else "")
         return engine
 
     # -- hooks and stats --------------------------------------------------------------------------------------------
@@ -166,14 +186,16 @@ class OffloadEngine:
         return add_experts
 
     def _guarded_apply(self, fn, recurse: bool = True):
-        probe = torch.empty(0, dtype=self.store.compute_dtype, device=self.policy.device)
-        converted = fn(probe)
-        if converted.dtype != probe.dtype or converted.device != probe.device:
-            raise PolicyError(f"this model's experts are offloaded by hf_moe_offload as {probe.dtype} for "
-                              f"{self.policy.device}; moving it to {converted.device} or casting it to "
-                              f"{converted.dtype} would leave them behind. Call hf_moe_offload.disable(model) "
-                              f"first, or load with the dtype/device you want (offload_policy 'device', "
-                              f"from_pretrained dtype=)")
+        # With several devices every one is probed: moving all to one of them would strand the others' caches.
+        for device in dict.fromkeys([torch.device(self.policy.device), *self.restore_devices]):
+            probe = torch.empty(0, dtype=self.store.compute_dtype, device=device)
+            converted = fn(probe)
+            if converted.dtype != probe.dtype or converted.device != probe.device:
+                raise PolicyError(f"this model's experts are offloaded by hf_moe_offload as {probe.dtype} for "
+                                  f"{device}; moving it to {converted.device} or casting it to "
+                                  f"{converted.dtype} would leave them behind. Call hf_moe_offload.disable(model) "
+                                  f"first, or load with the dtype/device you want (offload_policy 'device', "
+                                  f"from_pretrained dtype=, device_map=)")
         return nn.Module._apply(self.model, fn, recurse)
 
     # -- detach ---------------------------------------------------------------------------------------------------
@@ -199,8 +221,8 @@ class OffloadEngine:
             self.arch.detach(self.model, layer)
         self.cache.close()
         self.store.close()
-        for layer, stacked in zip(self.layers, experts):
-            on_device = {name: t.to(self.restore_device) for name, t in stacked.items()}
+        for layer, stacked, device in zip(self.layers, experts, self.restore_devices):
+            on_device = {name: t.to(device) for name, t in stacked.items()}
             self.arch.set_expert_params(layer.module, on_device)
         if self.moved_resident_from is not None:
             move_resident_part(self.model, self.layers, self.moved_resident_from)

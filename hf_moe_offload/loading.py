@@ -53,11 +53,15 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     policy = OffloadPolicy.from_any(policy)
     # A quantized disk store writes its folder once and reuses it: offload_folder= names it.
     offload_folder = kwargs.pop("offload_folder", None) if policy.quantize != "none" else None
-    for conflicting in ("device_map", "offload_folder", "max_memory"):
-        if kwargs.get(conflicting) is not None:
-            raise PolicyError(f"{conflicting}= cannot be combined with offload_policy: hf_moe_offload places the "
-                              f"model itself (use the policy's 'device' field)")
-    kwargs.pop("device_map", None)
+    if kwargs.get("offload_folder") is not None:
+        raise PolicyError("offload_folder= cannot be combined with offload_policy unless quantize is 'int8' or "
+                          "'int4' (it names the quantized experts' folder): the policy's store is the offload for "
+                          "experts, and non-expert modules are not offloaded to disk")
+    # A user's device_map / max_memory place the non-expert part and the per-device caches (devices.py).
+    user_map, max_memory = kwargs.pop("device_map", None), kwargs.pop("max_memory", None)
+    if max_memory is not None and user_map is None:
+        raise PolicyError("max_memory= needs a device_map= next to it (e.g. device_map='auto'); without one the "
+                          "policy's 'device' holds everything")
     hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
     root = resolve_checkpoint_dir(pretrained_model_name_or_path, **hub_kwargs)
     config = kwargs.get("config")
@@ -74,11 +78,18 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     layers = arch.find_layers(skeleton)
     pieces = _locate_experts(arch, index, layers)
     dtype = _requested_dtype(kwargs, pieces, config)
-    resolved = resolve(policy, footprint(skeleton, layers, dtype, _quantized_layouts(policy, layers, dtype)))
+    fp = footprint(skeleton, layers, dtype, _quantized_layouts(policy, layers, dtype))
+    plan = None
+    if user_map is None:
+        resolved = resolve(policy, fp)
+    else:
+        from .devices import plan_devices
+
+        plan, resolved = plan_devices(skeleton, layers, user_map, max_memory, policy, fp, dtype)
     predictor = _load_predictor(policy, skeleton)
     device = torch.device(resolved.policy.device)
 
-    device_map = _device_map(skeleton, layers, device)
+    device_map = _device_map(skeleton, layers, device) if plan is None else plan.module_map
     del skeleton
     if block_size is not None:
         kwargs["quantization_config"] = _dequantizing_fp8_config(config, kwargs.get("quantization_config"))
@@ -94,11 +105,28 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
         reader.close()
     else:
         store = CpuStore.from_reader(reader, device=device) if resolved.policy.store == "cpu" else reader
-    engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes)
+    if plan is not None and len(plan.cache_devices) == 1:   # one cache, as without a map, on that device
+        engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store,
+                                      plan.budgets[plan.cache_devices[0]])
+    else:
+        engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes,
+                                      devices=plan)
+    if plan is not None and plan.hook_map is not None:
+        _dispatch(model, plan.hook_map)
     if predictor is not None:
         engine.attach_predictor(predictor)
     _apply_attention(model, engine)
     return model
+
+
+def _dispatch(model: PreTrainedModel, hook_map: dict[str, str]) -> None:
+    """accelerate's hooks that move activations between the devices of a device_map; every block computes where
+    its weights are (no weight streaming). Attached after the engine: the experts hold no parameters then."""
+    from accelerate.hooks import attach_align_device_hook_on_blocks
+
+    attach_align_device_hook_on_blocks(model, execution_device={n: torch.device(d) for n, d in hook_map.items()},
+                                       offload={n: False for n in hook_map if n},
+                                       skip_keys=getattr(model, "_skip_keys_device_placement", None))
 
 
 def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | os.PathLike | None = None

@@ -19,7 +19,10 @@
   (alternating blocks of passes with reads off and on: verdict "trial", "on" or "off", and both mean stalls);
 - `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape);
   `measured`: per schedule, the passes timed (first MoE layer's start to the last one's end), seconds per pass and
-  tokens per second: what `hf-moe-offload plan` predicts, measured.
+  tokens per second: what `hf-moe-offload plan` predicts, measured;
+- `devices` (a device_map spanning several devices, `devices.py`): per cache device, its MoE layers, the counters
+  summed over them, and its cache's own `resident_bytes`, `peak_cache_bytes` and `cache_capacity_bytes` (the
+  top-level figures are the sums; the top-level peak is the peak of the sum).
 
 Example:
     >>> s = OffloadStats(num_layers=2, capacity_bytes=1024)
@@ -61,6 +64,8 @@ class OffloadStats:
         self._lock = threading.Lock()
         self.placement: Callable[[], dict] | None = None   # expert_compute="auto": its measured inputs
         self.resident_bytes = 0
+        self.devices: dict[str, list[int]] = {}     # cache device -> its MoE layers (several caches only)
+        self._device_bytes: dict[str, list[int]] = {}   # cache device -> [resident, peak, capacity]
         # The look-ahead rule's state is the engine's, not a counter: reset() leaves it.
         self.lookahead_on = False
         self.lookahead_precision: float | None = None
@@ -77,6 +82,8 @@ class OffloadStats:
             self.pass_time: dict[str, list] = {}  # schedule -> [passes timed, tokens, seconds] (first to last MoE layer)
             self.last_schedule: str | None = None
             self.peak_cache_bytes = self.resident_bytes   # the peak from now on starts at what is resident
+            for entry in self._device_bytes.values():
+                entry[1] = entry[0]
 
     def record_hit(self, layer: int) -> None:
         with self._lock:
@@ -162,6 +169,19 @@ class OffloadStats:
             self.resident_bytes = nbytes
             self.peak_cache_bytes = max(self.peak_cache_bytes, nbytes)
 
+    def set_device_resident(self, device: str, nbytes: int) -> None:
+        """One device's cache holds `nbytes` now; the totals are the sums over devices."""
+        with self._lock:
+            entry = self._device_bytes.setdefault(device, [0, 0, 0])
+            entry[0], entry[1] = nbytes, max(entry[1], nbytes)
+            self.resident_bytes = sum(e[0] for e in self._device_bytes.values())
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self.resident_bytes)
+
+    def set_device_capacity(self, device: str, nbytes: int) -> None:
+        with self._lock:
+            self._device_bytes.setdefault(device, [0, 0, 0])[2] = nbytes
+            self.capacity_bytes = sum(e[2] for e in self._device_bytes.values())
+
     def set_lookahead_trial(self, verdict: str, stall: dict, passes: dict) -> None:
         """The payoff trial of `prefetch="auto"`: its verdict and mean stall per pass with reads off / on."""
         with self._lock:
@@ -198,6 +218,57 @@ class OffloadStats:
                 "lookahead_trial": dict(self.lookahead_trial) if self.lookahead_trial else None,
                 "per_layer": [{name: self.layer[name][i] for name in PER_LAYER} for i in range(self.num_layers)],
             }
+            if self.devices:
+                data["devices"] = {device: self._device_snapshot(device, layers)
+                                   for device, layers in self.devices.items()}
         if self.placement is not None:
             data.update(self.placement())
         return StatsSnapshot(data, self.reset)
+
+    def _device_snapshot(self, device: str, layers: list[int]) -> dict:
+        """One device's share of the counters (its layers' sums) and its own cache's bytes (under the lock)."""
+        totals = {name: sum(self.layer[name][i] for i in layers) for name in PER_LAYER}
+        lookups = totals["hits"] + totals["misses"] + totals["cpu_computed"]
+        resident, peak, capacity = self._device_bytes.get(device, (0, 0, 0))
+        return {"layers": list(layers), **totals, "hit_rate": totals["hits"] / lookups if lookups else 0.0,
+                "resident_bytes": resident, "peak_cache_bytes": peak, "cache_capacity_bytes": capacity}
+
+
+class DeviceStats:
+    """What one device's cache writes into the shared `OffloadStats`: every counter goes there unchanged (they are
+    per layer, and each layer has one cache); its resident bytes, peak and capacity are also kept per device.
+
+    Example:
+        >>> shared = OffloadStats(num_layers=2)
+        >>> a, b = DeviceStats(shared, "dev0"), DeviceStats(shared, "dev1")
+        >>> a.set_resident(100); b.set_resident(50); a.record_hit(0)
+        >>> snap = shared.snapshot(); (snap["resident_bytes"], snap["hits"])
+        (150, 1)
+    """
+
+    def __init__(self, shared: OffloadStats, device: str):
+        self.__dict__["_shared"], self.__dict__["_device"] = shared, device
+
+    def __getattr__(self, name: str):
+        return getattr(self._shared, name)
+
+    def set_resident(self, nbytes: int) -> None:
+        self._shared.set_device_resident(self._device, nbytes)
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self._shared._device_bytes.get(self._device, (0, 0, 0))[2]
+
+    @capacity_bytes.setter
+    def capacity_bytes(self, nbytes: int) -> None:
+        self._shared.set_device_capacity(self._device, nbytes)
+
+    @property
+    def placement(self):
+        return self._shared.placement
+
+    @placement.setter
+    def placement(self, measurements) -> None:
+        # expert_compute="auto": each device calibrates; the first one's measurements are shown.
+        if self._shared.placement is None:
+            self._shared.placement = measurements
