@@ -204,7 +204,16 @@ class StreamPlanner(LayerHook):
                                                                         stacks[1:]) if sa == sb}
         self.stack = dict(zip(self.layers, stacks))
         self.last_of_stack = {stack: max(i for i, st in self.stack.items() if st == stack) for stack in set(stacks)}
-        self.router_weights = {layer.index: engine.arch.router_weight(engine.model, layer) for layer in engine.layers}
+        # How each next layer's router picks (sigmoid + bias + group top-k differ from a top-k of the logits);
+        # adapters without router kinds (Switch) fall back to the router's linear weight.
+        self.router_kinds = {layer.index: engine.arch.router_kind(engine.model, layer) for layer in engine.layers}
+        self.router_weights = {layer.index: engine.arch.router_weight(engine.model, layer) for layer in engine.layers
+                               if self.router_kinds[layer.index] is None}
+        if self.prefetch == "lookahead" or self.eviction is not None:
+            feature = "prefetch='lookahead'" if self.prefetch == "lookahead" else "eviction='lookahead'"
+            for kind in self.router_kinds.values():
+                if kind is not None:
+                    kind.check(feature)
         self._local = threading.local()      # each generating thread's position in its own pass
         self._exposure_base = (0.0, 0)       # (stall_s, misses) at the last exposure measurement
         self.trial = PayoffTrial()             # prefetch="auto": does reading ahead lower the stall per pass
@@ -332,13 +341,28 @@ class StreamPlanner(LayerHook):
         self._exposure_base = (stall, misses)
 
     def likely_experts(self, layer: int, hidden_states: torch.Tensor) -> list[int]:
-        """Layer `layer`'s router applied to these hidden states: experts any token would pick, most-routed first."""
-        weight = self.router_weights[layer]
+        """Layer `layer`'s router applied to these hidden states, selecting as that router does (its
+        `RouterKind`): experts any token would pick, most-routed first; every expert if it cannot be rebuilt."""
         num_experts = self.layers[layer].num_experts
+        kind = self.router_kinds.get(layer)
+        if kind is not None:
+            if kind.refused:
+                return list(range(num_experts))
+            return rank_experts(kind.experts_for(hidden_states), num_experts)
+        weight = self.router_weights.get(layer)
         if weight is None:
             return list(range(num_experts))
         logits = F.linear(hidden_states.to(weight.dtype), weight)                     # [T, E]
-        top = logits.topk(self.layers[layer].top_k, dim=-1).indices.reshape(-1)       # [T*k]
-        counts = torch.bincount(top, minlength=num_experts).cpu()                      # one host sync
-        order = torch.argsort(counts, descending=True, stable=True)
-        return [int(e) for e in order if counts[e] > 0]
+        return rank_experts(logits.topk(self.layers[layer].top_k, dim=-1).indices, num_experts)
+
+
+def rank_experts(indices: torch.Tensor, num_experts: int) -> list[int]:
+    """The experts named in `indices` [T, k], most-routed first (ties by expert id).
+
+    Example:
+        >>> rank_experts(torch.tensor([[3, 1], [3, 0]]), 4)
+        [3, 0, 1]
+    """
+    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).cpu()    # one host sync
+    order = torch.argsort(counts, descending=True, stable=True)
+    return [int(e) for e in order if counts[e] > 0]

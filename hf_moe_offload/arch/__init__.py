@@ -87,13 +87,25 @@ class MoEArch(ABC):
         """The module that routes tokens to `layer`'s experts (a forward hook on it sees every decision)."""
 
     @abstractmethod
-    def router_logits(self, output) -> torch.Tensor:
-        """Router logits [tokens, E] from the router module's forward output."""
+    def router_logits(self, output, router: nn.Module | None = None) -> torch.Tensor:
+        """Router logits [tokens, E] from the router module's forward output (`router`: the module that produced
+        it, whose kind says where its logits are: Gemma-4's router returns probabilities)."""
 
     @abstractmethod
     def routing_from_logits(self, router: nn.Module, logits: torch.Tensor, output):
         """A replacement for the router's forward `output` in which `logits` [tokens, E] decide, computed the way
-        the router computes its own (softmax, top-k, renormalisation): used by predicted routing."""
+        the router computes its own (`routing.RouterKind.select`): used by predicted routing. Raises
+        `routing.RoutingUnsupportedError` for a router whose routing cannot be rebuilt."""
+
+    def router_kind(self, model: nn.Module, layer: MoELayer):
+        """The `routing.RouterKind` of `layer`'s router (how logits become experts and weights), or None if this
+        adapter has none (then look-ahead applies `router_weight`).
+
+        Example:
+            >>> get_arch(model.config).router_kind(model, layer).describe()           # doctest: +SKIP
+            'sigmoid, correction bias on scores, renormalised, x2.5'
+        """
+        return None
 
     def router_weight(self, model: nn.Module, layer: MoELayer) -> torch.Tensor | None:
         """The router's linear weight [E, hidden] (logits = hidden @ weight.T), or None if it has none: look-ahead

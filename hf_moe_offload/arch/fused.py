@@ -25,6 +25,7 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, CheckpointIndex
 from ..execute import EXPERTS_IMPLEMENTATION
+from .routing import kind_of, replacement_output, router_kind
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, checkpoint_key_candidates, \
     register_arch, release_parameter, restore_parameter, weight_piece
 
@@ -299,15 +300,33 @@ class FusedExpertsArch(MoEArch):
             raise UnsupportedModelError(f"{type(block).__name__} at {layer.name} has no `gate` or `router` module")
         return (routers or candidates)[0]
 
-    def router_logits(self, output) -> torch.Tensor:
-        return output[0]                                            # (router_logits [T, E], scores, indices)
+    def router_kind(self, model: nn.Module, layer: MoELayer):
+        block = model.get_submodule(layer.name.rsplit(".", 1)[0])
+        text = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") \
+            else model.config
+        return router_kind(self.router_module(model, layer), block, layer.num_experts, layer.top_k,
+                           int(text.hidden_size))
+
+    def router_logits(self, output, router: nn.Module | None = None) -> torch.Tensor:
+        kind = kind_of(router) if router is not None else None
+        if kind is not None:
+            return kind.logits(output)                              # Gemma-4's probabilities -> log
+        first = output[0] if isinstance(output, (tuple, list)) else output   # (logits, weights, indices, ...)
+        return first.reshape(-1, first.shape[-1])
 
     def routing_from_logits(self, router: nn.Module, logits: torch.Tensor, output):
-        probs = torch.softmax(logits.float(), dim=-1)               # [T, E]
-        top_value, top_index = torch.topk(probs, router.top_k, dim=-1)   # [T, k]
-        if getattr(router, "norm_topk_prob", True):                 # Mixtral always renormalises
-            top_value = top_value / top_value.sum(dim=-1, keepdim=True)
-        return logits.to(output[0].dtype), top_value.to(output[1].dtype), top_index
+        kind = kind_of(router)
+        if kind is None:    # no kind built for it (the arch's router_kind was not called): read it off the router
+            kind = router_kind(router, None, logits.shape[-1], int(router.top_k), int(router.weight.shape[-1]))
+        kind.check("predicted routing (routing='predicted')", weights=True)
+        return replacement_output(kind, logits, output)
+
+    def router_weight(self, model: nn.Module, layer: MoELayer) -> torch.Tensor | None:
+        router = self.router_module(model, layer)
+        for weight in (getattr(router, "weight", None), getattr(getattr(router, "gate", None), "weight", None)):
+            if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] == layer.num_experts:
+                return weight
+        return None
 
     def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
         layer.module._hf_moe_offload = runtime

@@ -61,7 +61,7 @@ class SwitchArch(MoEArch):
     def router_weight(self, model: nn.Module, layer: MoELayer) -> torch.Tensor | None:
         return self.router_module(model, layer).classifier.weight
 
-    def router_logits(self, output) -> torch.Tensor:
+    def router_logits(self, output, router: nn.Module | None = None) -> torch.Tensor:
         logits = output[2]                                          # (expert_index, router_probs, logits [B,S,E])
         return logits.reshape(-1, logits.shape[-1])
 

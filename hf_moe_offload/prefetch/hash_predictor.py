@@ -112,13 +112,17 @@ def fingerprint(model: nn.Module) -> dict[str, Any]:
 
 
 def renormalizes_topk(model: nn.Module) -> bool:
-    """Whether the model's routers renormalise their top-k weights to sum to 1, as `MoEArch.routing_from_logits`
-    does (Mixtral, Qwen3-MoE: yes; Qwen2-MoE / OLMoE: `norm_topk_prob`; Switch: no, the raw top-1 probability)."""
+    """Whether the model's routers renormalise their top-k weights to sum to 1, as their `RouterKind` (probed from
+    the router itself) says (Mixtral, Qwen3-MoE: yes; Qwen2-MoE / OLMoE / DeepSeek-V3: `norm_topk_prob`; Jamba: no;
+    Switch: no, the raw top-1 probability)."""
     if model.config.model_type == "switch_transformers":
         return False
     layers = predicted_layers(model)
-    router = get_arch(model.config).router_module(model, layers[0])
-    return bool(getattr(router, "norm_topk_prob", True))
+    arch = get_arch(model.config)
+    kind = arch.router_kind(model, layers[0])
+    if kind is not None and not kind.refused:
+        return bool(kind.normalize)        # what the router really does (Jamba: no; DeepSeek-V3: norm_topk_prob)
+    return bool(getattr(arch.router_module(model, layers[0]), "norm_topk_prob", True))
 
 
 def embed(model_or_embedding: nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -7,7 +7,8 @@ reaches the first MoE layer and, from then on, loads each layer's predicted expe
 
 - `routing="router"` (default, exact): the router still decides; predictions only prefetch.
 - `routing="predicted"` (SiDA's serving mode, approximate): the predicted logits replace the router's, through the
-  router's own softmax/top-k (a forward hook on the router module).
+  router's own selection rebuilt by its `RouterKind` (softmax or sigmoid, correction bias, group-limited top-k,
+  renormalisation, scaling; a forward hook on the router module). Routers it cannot rebuild are refused at attach.
 
 Decode: step t+1's token exists only once step t's logits do, so as soon as they do (a forward hook on the model)
 the hash thread predicts step t+1's table from the greedy token, while generate() picks the token. At step t+1's
@@ -52,6 +53,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
+from ..arch.routing import kind_of
 from ..hooks import LayerHook
 
 logger = logging.getLogger(__name__)
@@ -140,6 +142,9 @@ class HashPrefetcher(LayerHook):
             for layer in engine.layers:
                 if layer.index in self.axis_of:
                     router = arch.router_module(model, layer)
+                    kind = arch.router_kind(model, layer)      # refused here, before any hook is added
+                    if kind is not None:
+                        kind.check("routing='predicted'", weights=True)
                     self._hooks.append(router.register_forward_hook(self._routing_hook(layer.index)))
 
     def configure(self, *, min_confidence: float | None = None, min_precision: float | None = None,
@@ -418,7 +423,8 @@ class HashPrefetcher(LayerHook):
     def _routing_hook(self, layer_index: int):
         def replace_routing(module: nn.Module, args: tuple, output):
             table = self._current()
-            ours = self.engine.arch.router_logits(output)
+            kind = kind_of(module)                           # its logits may be probabilities (Gemma-4)
+            ours = kind.logits(output) if kind is not None else self.engine.arch.router_logits(output)
             if table is None or table.logits.shape[0] != ours.shape[0]:
                 return output                                # no prediction for these tokens: the router decides
             logits = table.logits[:, self.axis_of[layer_index]].to(ours.device)

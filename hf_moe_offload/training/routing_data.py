@@ -29,6 +29,7 @@ from torch import nn
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
 from ..arch import get_arch
+from ..arch.routing import kind_of
 from ..prefetch.hash_predictor import fingerprint, predicted_layers, renormalizes_topk
 
 logger = logging.getLogger(__name__)
@@ -190,8 +191,13 @@ class RouterTap:
         self._handles: list = []
 
     def __enter__(self) -> RouterTap:
-        for i, layer in enumerate(self.layers):
-            router = self.arch.router_module(self.model, layer)
+        routers = []
+        for layer in self.layers:   # every router checked before any hook is added
+            kind = self.arch.router_kind(self.model, layer)
+            if kind is not None:
+                kind.check("hash predictor training data (teacher router logits)")
+            routers.append(self.arch.router_module(self.model, layer))
+        for i, router in enumerate(routers):
             self._handles.append(router.register_forward_hook(self._hook(i)))
         return self
 
@@ -202,7 +208,9 @@ class RouterTap:
 
     def _hook(self, i: int):
         def hook(module, args, output):
-            self._captured[i] = self.arch.router_logits(output).detach()
+            kind = kind_of(module)          # its logits may be probabilities (Gemma-4): the kind says
+            logits = kind.logits(output) if kind is not None else self.arch.router_logits(output)
+            self._captured[i] = logits.detach()
         return hook
 
     def clear(self) -> None:
