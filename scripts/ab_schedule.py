@@ -63,17 +63,21 @@ def run_one(model: str, policy: dict, batch: int, prompt_len: int, new_tokens: i
     ids = torch.randint(3, m.config.vocab_size, (batch, prompt_len), generator=g)
     hf_moe_offload.stats(m).reset()
     evict()
+    clock = getattr(getattr(hf_moe_offload.get_engine(m).cache, "copy", None), "read_clock", None)
+    busy0 = clock.snapshot()[0] if clock is not None else 0.0
     steps, start, before = Steps(), time.perf_counter(), read_bytes()
     m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                stopping_criteria=[steps])
     read = read_bytes() - before
+    # Share of the generate the store had a read in flight (the rest: the disk idled, evictions included).
+    busy_share = (clock.snapshot()[0] - busy0) / (steps.times[-1] - start) if clock is not None else None
     s = hf_moe_offload.stats(m)
     return {"policy": policy, "batch": batch,
             "prefill_tok_s": batch * prompt_len / (steps.times[0] - start),
             "decode_tok_s": batch * (len(steps.times) - 1) / (steps.times[-1] - steps.times[0]),
             "disk_MB_per_step": read / len(steps.times) / 1e6, "hit_rate": s["hit_rate"], "stall_s": s["stall_s"],
             "passes": s["passes"], "repeat_reads": s["repeat_reads"], "prefetch_issued": s["prefetch_issued"],
-            "prefetch_hits": s["prefetch_hits"], "prefetch_wasted": s["prefetch_wasted"]}
+            "prefetch_hits": s["prefetch_hits"], "prefetch_wasted": s["prefetch_wasted"], "read_busy_share": busy_share}
 
 
 def main() -> None:
