@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 import hf_moe_offload
 from hf_moe_offload.arch import get_arch
-from hf_moe_offload.arch.routing import RouterKind, RoutingUnsupportedError
+from hf_moe_offload.arch.routing import RouterKind, RoutingUnsupportedError, replacement_output
 from hf_moe_offload.schedule import rank_experts
 
 from conftest import token_inputs
@@ -23,9 +23,9 @@ NOT_REBUILT = {"zaya": "refused"}         # a skip expert (E + 1 logits) and rou
 WEIGHTS_NOT_REBUILT = {"inkling_text"}    # shared experts scored in the same softmax as the routed ones
 
 
-def routed_config(model_type: str):
+def routed_config(model_type: str, layers: int = 2):
     """The tiny config, with two expert groups (one kept) where the family has group-limited top-k."""
-    config = tiny_config(model_type, experts=EXPERTS)
+    config = tiny_config(model_type, experts=EXPERTS, layers=layers)
     for attr in ("n_group", "num_expert_group"):
         if getattr(config, attr, None) == 1:
             setattr(config, attr, 2)
@@ -135,3 +135,81 @@ def test_kind_select_documented_example():
     kind = RouterKind(router=None, num_experts=4, top_k=2, score="softmax", normalize=True)
     weights, indices = kind.select(torch.tensor([[4.0, 3.0, 0.0, -1.0]]))
     assert sorted(indices[0].tolist()) == [0, 1] and abs(float(weights.sum()) - 1.0) < 1e-6
+
+
+def test_predicted_logits_decide_through_the_rebuilt_router():
+    """What `routing="predicted"` does: the router's output replaced from other logits; the experts then get exactly
+    the routing `select` gives for those logits (sigmoid, bias, groups, scaling included)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(routed_config("deepseek_v3")).eval()
+    randomise_routing(model)
+    arch = get_arch(model.config)
+    layer = arch.find_layers(model)[0]
+    router, kind = arch.router_module(model, layer), arch.router_kind(model, layer)
+    forced = {}
+
+    def replace(module, args, output):
+        forced["logits"] = torch.randn(arch.router_logits(output).shape, generator=torch.Generator().manual_seed(3))
+        return arch.routing_from_logits(module, forced["logits"], output)
+
+    handle = router.register_forward_hook(replace)
+    try:
+        got = capture_routing(model, arch, [layer])[layer.index]
+    finally:
+        handle.remove()
+    weights, indices = kind.select(forced["logits"])
+    assert torch.equal(_sorted(got["indices"], got["weights"])[0], _sorted(indices, weights)[0])
+    torch.testing.assert_close(_sorted(got["indices"], got["weights"])[1], _sorted(indices, weights)[1])
+
+
+def test_logits_only_router_gets_logits_back_for_the_block_to_choose():
+    """A router returning only logits (top-k computed in the MoE block): the replacement is the predicted logits
+    themselves, so the block's own top-k picks the predicted experts."""
+    kind = RouterKind(router=None, num_experts=4, top_k=2, score="softmax")
+    original = torch.zeros(1, 3, 4, dtype=torch.bfloat16)
+    predicted = torch.tensor([[0.0, 5.0, 4.0, -1.0]] * 3)
+    out = replacement_output(kind, predicted, original)
+    assert out.shape == original.shape and out.dtype == torch.bfloat16
+    assert out.reshape(3, 4).float().topk(2).indices.sort().values.tolist() == [[1, 2]] * 3
+
+
+def test_refused_router_is_refused_only_where_lookahead_is_used(tmp_path):
+    """Zaya (a skip expert, router state across layers) loads and generates offloaded; look-ahead prefetch is refused
+    with the reason, and the default prefetch guesses every expert instead of guessing wrong."""
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(tiny_config("zaya")).save_pretrained(tmp_path)
+    policy = {"device": "cpu", "store": "disk", "expert_cache": "50%"}
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, offload_policy=policy)
+    ids, mask = token_inputs(1, 5)
+    with torch.no_grad():
+        model.generate(ids, attention_mask=mask, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    del model
+    with pytest.raises(RoutingUnsupportedError, match="prefetch='lookahead'.*skip expert"):
+        AutoModelForCausalLM.from_pretrained(tmp_path, offload_policy={**policy, "prefetch": "lookahead"})
+
+
+@pytest.mark.parametrize("prefetch, eviction", [("auto", "lookahead"), ("lookahead", "lookahead"),
+                                                ("lookahead", "layer")])
+def test_lookahead_on_a_sigmoid_group_router_keeps_tokens_and_guesses_right(tmp_path, prefetch, eviction):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(routed_config("deepseek_v3", layers=3)).eval()
+    randomise_routing(model)
+    with torch.no_grad():          # decisive routing: random near-ties would make greedy tokens fragile
+        for layer in get_arch(model.config).find_layers(model):
+            get_arch(model.config).router_module(model, layer).weight.mul_(8.0)
+    model.save_pretrained(tmp_path)
+    ids, mask = token_inputs(1, 6, seed=11)
+    generate = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want = model.generate(ids, **generate)
+    del model
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, offload_policy={
+        "device": "cpu", "store": "disk", "expert_cache": "34%", "prefetch": prefetch, "eviction": eviction})
+    with torch.no_grad():
+        got = model.generate(ids, **generate)
+    assert torch.equal(got, want)
+    stats = hf_moe_offload.stats(model)
+    if prefetch == "auto":          # every on-demand pass scores its guesses: some were what the router chose
+        assert stats["lookahead_used"] > 0 and stats["lookahead_guesses"] >= stats["lookahead_used"]
+    else:
+        assert stats["readahead_issued"] > 0 and stats["lookahead_on"] is True

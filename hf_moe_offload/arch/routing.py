@@ -232,7 +232,7 @@ def _build(router: nn.Module, block: nn.Module | None, num_experts: int, top_k: 
               and not isinstance(v, bool)]
     global_scale = getattr(router, "global_scale", None)
     if isinstance(global_scale, torch.Tensor) and global_scale.numel() == 1:
-        scales = [s * float(global_scale) for s in scales] or [float(global_scale)]
+        scales = [s * float(global_scale.detach()) for s in scales] or [float(global_scale.detach())]
     expert_scale = _live(router, "per_expert_scale") if isinstance(getattr(router, "per_expert_scale", None),
                                                                     torch.Tensor) else None
     selection = getattr(router, "expert_selection_fn", None)
