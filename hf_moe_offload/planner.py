@@ -43,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 RESIDENT_SHARES = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)   # besides "all that fits"
 HOST_HEADROOM = 0.15                                   # share of host memory the plan leaves free
+STREAM_WINDOWS = (1, 2, 4)                             # stream_window values weighed for streamed passes
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class ModelShape:
     kv_bytes_per_token: int       # all layers
     activation_bytes_per_token: int
     resident_bytes: int           # everything that is not an expert
+    hidden: int = 0               # hidden size (0: heads x head_dim)
 
     @property
     def all_expert_bytes(self) -> int:
@@ -90,7 +92,8 @@ class ModelShape:
                    dense_params_per_layer=max(0, resident_params - embeddings) // max(1, layers),
                    head_params=vocab * hidden, heads=heads, head_dim=head_dim,
                    kv_bytes_per_token=fp.kv_bytes_per_token,
-                   activation_bytes_per_token=fp.activation_bytes_per_token, resident_bytes=fp.resident_bytes)
+                   activation_bytes_per_token=fp.activation_bytes_per_token, resident_bytes=fp.resident_bytes,
+                   hidden=hidden)
 
     @classmethod
     def from_config(cls, config: Any, dtype: torch.dtype) -> "ModelShape":
@@ -125,6 +128,7 @@ class Candidate:
     resident_share: float        # share of all expert bytes held in the device cache (the rest moves)
     micro_batch: int             # tokens per prefill pass (the token budget); decode runs every sequence at once
     attention: str               # "device" | "cpu"
+    stream_window: int = DEFAULT_STREAM_WINDOW   # slots a streamed layer may have loading or landed unused
 
 
 @dataclass(frozen=True)
@@ -157,7 +161,8 @@ class Plan:
         """One line: what was picked, its predicted tokens/s, and what binds."""
         c = self.candidate
         return (f"plan: {self.schedule}, {c.resident_share:.0%} of experts resident ({self.store} store), "
-                f"{c.micro_batch} tokens per prefill pass, attention on {c.attention}; device memory "
+                f"{c.micro_batch} tokens per prefill pass, stream window {c.stream_window}, attention on {c.attention}; "
+                f"device memory "
                 f"{format_bytes(self.device_memory_bytes)}; predicted prefill {self.prefill_tok_s:.1f} tok/s, decode "
                 f"{self.decode_tok_s:.1f} tok/s, {self.throughput_tok_s:.1f} generated tok/s overall; bound by "
                 f"{self.binding}")
@@ -168,7 +173,8 @@ class Plan:
                     else "auto")
         return {"device": "cuda:0" if self.device == "cuda" else "cpu", "store": self.store,
                 "expert_cache": f"{self.candidate.resident_share * 100:g}%", "schedule": schedule,
-                "attention": self.candidate.attention, "max_batch_size": self.batch,
+                "attention": self.candidate.attention, "stream_window": self.candidate.stream_window,
+                "max_batch_size": self.batch,
                 "max_seq_len": self.prompt_len + self.gen_len}
 
 
@@ -178,56 +184,140 @@ class PhaseTime:
     binding: str
 
 
+# Element operations per token and layer outside the experts, in units of the hidden size: two RMSNorms (upcast,
+# square, mean, rsqrt x, downcast, weight: 6 each), two residual adds, RoPE on q and k (about 6 over q's width
+# plus k's), the sum over the top-k outputs and its cast (3). Counted from transformers' Mixtral/Qwen-MoE layers.
+ELEMENTWISE_PER_HIDDEN = 24
+
+
 def matmul_seconds(rows: int, params: float, flops: tuple[float, float]) -> float:
     """A [rows, in] x [in, out] matmul with `params` weights: max(weight-read bound, arithmetic bound)."""
     batch1, large = flops
     return max(2.0 * params / batch1, 2.0 * rows * params / large)
 
 
-def pass_time(shape: ModelShape, profile: MachineProfile, cand: Candidate, device: str, store: str, tokens: int,
-              sequences: int, context: int, schedule: str, decode: bool) -> PhaseTime:
-    """Predicted seconds of one forward pass of `tokens` tokens over `sequences` sequences at `context`."""
+def cpu_matmul_seconds(profile: MachineProfile, rows: int, params: float, dtype_bytes: int) -> float:
+    """CPU seconds of `rows` rows through `params` weights: the profile's measured expert-forward curve at that row
+    count (weights cold, gathers and activation included) when it has one, else the two-point roofline."""
+    rate = profile.expert_flops(rows, dtype_bytes)
+    if rate is None:
+        return matmul_seconds(rows, params, profile.cpu_flops(dtype_bytes))
+    return 2.0 * max(1, rows) * params / rate
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One MoE layer of one pass: compute seconds (experts and the rest) and what its experts read."""
+
+    compute_s: float        # everything the layer computes, on the processor that binds it
+    expert_s: float         # the experts' share of compute_s
+    touched: float          # distinct experts the pass uses in this layer
+    reads: float            # experts read from the store (not resident)
+    read_s: float           # seconds of one expert read over the slowest link
+    attn_io_s: float = 0.0  # CPU attention's query/output crossing (CUDA only)
+    cpu_attn_s: float = 0.0  # CPU attention beside the device (CUDA only)
+
+
+def layer_cost(shape: ModelShape, profile: MachineProfile, cand: Candidate, device: str, store: str, tokens: int,
+               sequences: int, context: int, schedule: str, decode: bool,
+               read_bytes: float | None = None) -> LayerCost:
+    """Predicted compute and reads of one MoE layer in a pass of `tokens` tokens over `sequences` sequences.
+
+    `read_bytes`: measured bytes this layer reads per pass (from stats or a benchmark row) instead of the uniform
+    routing estimate (touched experts outside the resident share; a streamed pass gives the window's slots up)."""
     on_gpu = device == "cuda"
-    dev_flops = (profile.device_flops / 8, profile.device_flops) if on_gpu else profile.cpu_flops(shape.dtype_bytes)
-    cpu_flops = profile.cpu_flops(shape.dtype_bytes)
-    expert_params = shape.expert_bytes / shape.dtype_bytes
-    # Experts: the distinct ones a pass touches, each on its share of the rows.
+    dtype_bytes = shape.dtype_bytes
+    expert_params = shape.expert_bytes / dtype_bytes
     touched = expected_experts(tokens, shape.experts, shape.top_k)
     rows = max(1, round(tokens * shape.top_k / touched))
-    t_experts = touched * matmul_seconds(rows, expert_params, dev_flops)
-    t_dense = matmul_seconds(tokens, shape.dense_params_per_layer, dev_flops)
-    # Attention core: scores and values over the context; bound by reading the KV cache in decode.
+    hidden = shape.hidden or shape.heads * shape.head_dim
     kv_layer = shape.kv_bytes_per_token / shape.layers
-    attn_flops = 4.0 * tokens * context * shape.heads * shape.head_dim
+    attn_flops = 4.0 * tokens * context * shape.heads * shape.head_dim * (0.5 if not decode else 1.0)
     kv_bytes = kv_layer * context * sequences
-    if cand.attention == "cpu" or not on_gpu:
+    cpu_flops = profile.cpu_flops(dtype_bytes)
+    if on_gpu:
+        dev_flops = (profile.device_flops / 8, profile.device_flops)
+        t_experts = touched * matmul_seconds(rows, expert_params, dev_flops)
+        t_rest = matmul_seconds(tokens, shape.dense_params_per_layer, dev_flops)
+        if cand.attention == "cpu":
+            t_attn = max(attn_flops / cpu_flops[1], kv_bytes / profile.host_memcpy_bytes_per_s)
+            attn_io = 2 * tokens * shape.heads * shape.head_dim * dtype_bytes / profile.h2d_bytes_per_s
+            cpu_attn, t_dev_attn = t_attn, 0.0
+        else:
+            t_dev_attn = max(attn_flops / profile.device_flops, kv_bytes / profile.device_memory_bytes_per_s)
+            attn_io, cpu_attn = 0.0, 0.0
+        compute = t_experts + t_rest + t_dev_attn
+    else:
+        t_experts = touched * cpu_matmul_seconds(profile, rows, expert_params, dtype_bytes)
+        t_dense = cpu_matmul_seconds(profile, tokens, shape.dense_params_per_layer, dtype_bytes)
         t_attn = max(attn_flops / cpu_flops[1], kv_bytes / profile.host_memcpy_bytes_per_s)
-        t_attn_io = (2 * tokens * shape.heads * shape.head_dim * shape.dtype_bytes / profile.h2d_bytes_per_s
-                     if on_gpu else 0.0)  # query out, output back; opposite directions overlap, count one
+        if decode:   # the dynamic KV cache grows by concatenation: every step copies the layer's cache once
+            t_attn += 2 * kv_bytes / profile.host_memcpy_bytes_per_s
+        elementwise = profile.elementwise_per_s(dtype_bytes)
+        t_elem = ELEMENTWISE_PER_HIDDEN * hidden * tokens / elementwise if elementwise else 0.0
+        compute = t_experts + t_dense + t_attn + t_elem
+        attn_io, cpu_attn = 0.0, 0.0
+    compute += profile.layer_overhead_s or 0.0
+    link, _name = _link(profile, device, store)
+    if read_bytes is not None:
+        reads = read_bytes / shape.expert_bytes
     else:
-        t_attn = max(attn_flops / profile.device_flops, kv_bytes / profile.device_memory_bytes_per_s)
-        t_attn_io = 0.0
-    # Bytes that must move: touched experts outside the resident share.
-    move = touched * (1.0 - cand.resident_share) * shape.expert_bytes
-    link, link_name = _link(profile, device, store)
-    t_io = move / link if link else 0.0
-    t_compute = t_experts + t_dense + (t_attn if (on_gpu and cand.attention == "device") or not on_gpu else 0.0)
-    t_cpu_attn = t_attn if on_gpu and cand.attention == "cpu" else 0.0
-    overhead = profile.layer_overhead_s or 0.0
-    if schedule == "stream":
-        # Layer l+1 reads while layer l computes (CPU attention runs beside the device, CGOPipe-style).
-        per_layer = max(t_io + t_attn_io, t_compute, t_cpu_attn) + overhead
-        total = shape.layers * per_layer + min(t_io, per_layer)    # the first layer's read is not hidden
-        terms = {link_name: t_io + t_attn_io, _proc(device): t_compute, "CPU attention": t_cpu_attn}
+        share = cand.resident_share
+        if schedule == "stream" and share < 1.0:   # the window's slots are not resident while streaming
+            share = max(0.0, share - cand.stream_window * shape.expert_bytes / shape.all_expert_bytes)
+        reads = touched * (1.0 - share)
+    read_s = shape.expert_bytes / link if link else 0.0
+    return LayerCost(compute, t_experts, touched, reads if link else 0.0, read_s, attn_io, cpu_attn)
+
+
+def pipeline_seconds(cost: LayerCost, layers: int, schedule: str, window: int) -> tuple[float, float, float]:
+    """(seconds, exposed read seconds, compute seconds) of `layers` identical layers, as the engine runs them.
+
+    - on_demand: the router names the experts, then the misses are read while the resident experts compute (the
+      cache's `fetch` yields resident experts first); the missing ones compute once they land.
+    - stream: a layer's experts compute as they land, its reads run beside; while a layer computes after its own
+      reads are done, the next layer's likely experts are read ahead, at most `window` of them (the slots a streamed
+      layer may have loading or landed unused). The first layer has nothing before it to hide its reads.
+    """
+    reads_s = cost.reads * cost.read_s + cost.attn_io_s
+    per_expert = cost.expert_s / max(cost.touched, 1e-9)
+    compute = max(cost.compute_s, cost.cpu_attn_s)
+    if schedule != "stream":
+        hits_s = per_expert * max(0.0, cost.touched - cost.reads)
+        rest = compute - cost.expert_s
+        layer = rest + max(hits_s, reads_s) + per_expert * min(cost.reads, cost.touched)
+        return layers * layer, layers * max(0.0, reads_s - hits_s), layers * compute
+    total, exposed, slack = 0.0, 0.0, 0.0
+    for _ in range(layers):
+        ahead = min(window * cost.read_s, reads_s, slack)   # read during the previous layer's tail
+        remaining = reads_s - ahead
+        tail = per_expert if remaining > 0 else 0.0         # the last expert to land still computes after it
+        layer = max(compute, remaining + tail)
+        exposed += max(0.0, layer - compute)
+        slack = max(0.0, layer - remaining)
+        total += layer
+    return total, exposed, layers * compute
+
+
+def pass_time(shape: ModelShape, profile: MachineProfile, cand: Candidate, device: str, store: str, tokens: int,
+              sequences: int, context: int, schedule: str, decode: bool,
+              read_bytes_per_pass: float | None = None) -> PhaseTime:
+    """Predicted seconds of one forward pass of `tokens` tokens over `sequences` sequences at `context`, and the
+    resource that binds it. `read_bytes_per_pass`: measured store reads of such a pass (all layers), if known."""
+    per_layer_bytes = None if read_bytes_per_pass is None else read_bytes_per_pass / shape.layers
+    cost = layer_cost(shape, profile, cand, device, store, tokens, sequences, context, schedule, decode,
+                      per_layer_bytes)
+    total, exposed, compute = pipeline_seconds(cost, shape.layers, schedule, cand.stream_window)
+    if device == "cuda":
+        total += matmul_seconds(sequences, shape.head_params, (profile.device_flops / 8, profile.device_flops))
     else:
-        # The router names the experts; the read follows, then the compute.
-        per_layer = t_io + t_attn_io + max(t_compute, t_cpu_attn) + overhead
-        total = shape.layers * per_layer
-        terms = {link_name: t_io + t_attn_io, _proc(device): t_compute, "CPU attention": t_cpu_attn}
-    total += matmul_seconds(sequences, shape.head_params, dev_flops)
-    terms["framework overhead per layer"] = overhead
-    binding = max(terms, key=terms.get)
-    return PhaseTime(total, binding)
+        total += cpu_matmul_seconds(profile, sequences, shape.head_params, shape.dtype_bytes)
+    total += profile.step_overhead_s or 0.0
+    _bw, link_name = _link(profile, device, store)
+    overhead = shape.layers * (profile.layer_overhead_s or 0.0)
+    terms = {link_name: exposed, _proc(device): compute - overhead,
+             "CPU attention": shape.layers * cost.cpu_attn_s, "framework overhead per layer": overhead}
+    return PhaseTime(total, max(terms, key=terms.get))
 
 
 def _proc(device: str) -> str:
@@ -247,17 +337,25 @@ def _link(profile: MachineProfile, device: str, store: str) -> tuple[float, str]
 
 
 def predict(shape: ModelShape, profile: MachineProfile, cand: Candidate, device: str, store: str, batch: int,
-            prompt_len: int, gen_len: int) -> tuple[float, float, float, str]:
-    """(prefill tok/s, decode tok/s, generated tok/s overall, binding resource) of one candidate."""
+            prompt_len: int, gen_len: int, read_bytes: tuple[float | None, float | None] = (None, None)
+            ) -> tuple[float, float, float, str]:
+    """(prefill tok/s, decode tok/s, generated tok/s overall, binding resource) of one candidate.
+
+    `read_bytes`: measured store bytes per prefill token and per decode token (stats' `bytes_to_device` over the
+    tokens, or a benchmark row's), replacing the uniform-routing estimate of that phase; None: estimate."""
     prompt_tokens = batch * prompt_len
     passes = math.ceil(prompt_tokens / cand.micro_batch)
+    pass_tokens = min(cand.micro_batch, prompt_tokens)
     seqs_per_pass = max(1, min(batch, math.ceil(cand.micro_batch / prompt_len)))
-    pre = pass_time(shape, profile, cand, device, store, min(cand.micro_batch, prompt_tokens), seqs_per_pass,
-                    prompt_len, cand.prefill_schedule, decode=False)
+    pre_bytes, dec_bytes = read_bytes
+    pre = pass_time(shape, profile, cand, device, store, pass_tokens, seqs_per_pass, prompt_len,
+                    cand.prefill_schedule, decode=False,
+                    read_bytes_per_pass=None if pre_bytes is None else pre_bytes * pass_tokens)
     prefill_s = passes * pre.seconds
     # Decode: every sequence in one pass; the context grows, take the middle step.
     dec = pass_time(shape, profile, cand, device, store, batch, batch, prompt_len + gen_len // 2,
-                    cand.decode_schedule, decode=True)
+                    cand.decode_schedule, decode=True,
+                    read_bytes_per_pass=None if dec_bytes is None else dec_bytes * batch)
     decode_steps = max(0, gen_len - 1)   # the first new token comes out of the prefill
     total = prefill_s + decode_steps * dec.seconds
     binding = dec.binding if decode_steps * dec.seconds >= prefill_s else pre.binding + " (prefill)"
@@ -279,7 +377,7 @@ def _working_set(shape: ModelShape, cand: Candidate) -> int:
     """The smallest cache a pass runs with: one layer's top-k; a streamed pass also its window."""
     slots = shape.top_k
     if "stream" in (cand.prefill_schedule, cand.decode_schedule):
-        slots = max(slots, DEFAULT_STREAM_WINDOW + shape.top_k)
+        slots = max(slots, cand.stream_window + shape.top_k)
     return slots * shape.expert_bytes
 
 
@@ -300,9 +398,11 @@ def candidates(shape: ModelShape, device: str, batch: int, prompt_len: int, budg
     for m in micro:
         for pre in schedules(m):
             for dec in schedules(batch):
+                windows = STREAM_WINDOWS if "stream" in (pre, dec) else (DEFAULT_STREAM_WINDOW,)
                 for share in shares:
                     for attn in attentions:
-                        out.append(Candidate(pre, dec, share, m, attn))
+                        for window in windows:
+                            out.append(Candidate(pre, dec, share, m, attn, window))
     return out
 
 

@@ -7,7 +7,10 @@ Every number is what this package's own work sees, not a datasheet peak where it
 - host memcpy: a large tensor `copy_`;
 - CPU matmul FLOP/s in bf16 and fp32 at batch 1 (bound by reading the weight) and at a large batch (bound by
   arithmetic): the planner times a matmul of n rows as max(2W/F_1, 2nW/F_large);
-- with CUDA: host-to-device from pinned memory, device matmul FLOP/s, device memory.
+- with CUDA: host-to-device from pinned memory, device matmul FLOP/s, device memory;
+- what a matmul's FLOP/s misses (optional fields, older files load without them): the engine's whole expert forward
+  (gather, gate_up, SiLU x up, down, scatter) at several row counts with weights cold in the caches, the elementwise
+  rate (norms, RoPE, residuals), and the framework's time per layer and per `generate` step on the demo model.
 
 Example:
     >>> p = MachineProfile.from_dict(json.loads(shipped_profile_path("t4").read_text()))
@@ -45,6 +48,11 @@ SHIPPED_PROFILES = ("t4", "l4")
 _HOST_FIELDS = ("disk_read_bytes_per_s", "host_memcpy_bytes_per_s", "cpu_flops_bf16_batch1", "cpu_flops_bf16_large",
                 "cpu_flops_fp32_batch1", "cpu_flops_fp32_large", "cpu_threads", "host_memory_bytes")
 _DEVICE_FIELDS = ("h2d_bytes_per_s", "device_flops", "device_memory_bytes", "device_memory_bytes_per_s")
+# Optional (null or absent in older files): numbers > 0, and {rows: FLOP/s} curves.
+_OPTIONAL_FIELDS = ("layer_overhead_s", "cpu_elementwise_bf16_per_s", "cpu_elementwise_fp32_per_s",
+                    "step_overhead_s")
+_CURVE_FIELDS = ("cpu_expert_flops_bf16", "cpu_expert_flops_fp32")
+EXPERT_CURVE_ROWS = (1, 4, 16, 64, 256, 1024)   # row counts the expert curve is measured at
 
 
 class ProfileError(ValueError):
@@ -82,6 +90,20 @@ class MachineProfile:
     # launches): measured on the demo model, whose layers are too small to cost anything else. None: not measured.
     layer_overhead_s: float | None = None
     version: int = PROFILE_VERSION
+    # Optional (older files lack them; the planner then falls back to the two-point matmul roofline):
+    # FLOP/s of the engine's whole expert forward on the CPU (gather the rows, gate_up, SiLU x up, down, scale,
+    # scatter: `execute.offloaded_experts_forward`'s loop body) per row count, with weights cold in the caches
+    # (rotated through more bytes than the last-level cache, as a decode step walks the model's weights).
+    # JSON: {"rows": FLOP/s}; the planner interpolates in log-log between the measured row counts.
+    cpu_expert_flops_bf16: dict[str, float] | None = None
+    cpu_expert_flops_fp32: dict[str, float] | None = None
+    # Element operations per second of SiLU(a) x b (what norms, RoPE, residual adds and the sum over top-k cost
+    # per element), per dtype.
+    cpu_elementwise_bf16_per_s: float | None = None
+    cpu_elementwise_fp32_per_s: float | None = None
+    # Seconds per decode step of `generate` outside the model's layers (logits processing, argmax, input and
+    # cache bookkeeping), measured on the demo model: its step time less its layers' overhead.
+    step_overhead_s: float | None = None
 
     @property
     def has_device(self) -> bool:
@@ -93,6 +115,33 @@ class MachineProfile:
         if dtype_bytes == 2:
             return self.cpu_flops_bf16_batch1, self.cpu_flops_bf16_large
         return self.cpu_flops_fp32_batch1, self.cpu_flops_fp32_large
+
+    def expert_flops(self, rows: int, dtype_bytes: int) -> float | None:
+        """CPU FLOP/s of one expert's forward on `rows` rows (log-log interpolation of the measured curve; below
+        its first point the rate scales with the rows, as a weight-read-bound kernel's does; beyond its last it
+        stays flat). None when the profile has no curve.
+
+        Example:
+            >>> p = dataclasses.replace(load_profile("t4"), cpu_expert_flops_bf16={"1": 1e9, "100": 1e11})
+            >>> round(p.expert_flops(10, 2) / 1e9, 1), p.expert_flops(1000, 2) / 1e9, p.expert_flops(10, 4)
+            (10.0, 100.0, None)
+        """
+        curve = self.cpu_expert_flops_bf16 if dtype_bytes == 2 else self.cpu_expert_flops_fp32
+        if not curve:
+            return None
+        points = sorted((int(r), float(f)) for r, f in curve.items())
+        rows = max(1, rows)
+        if rows <= points[0][0]:
+            return points[0][1] * rows / points[0][0]
+        for (r0, f0), (r1, f1) in zip(points, points[1:]):
+            if rows <= r1:
+                w = math.log(rows / r0) / math.log(r1 / r0)
+                return math.exp((1 - w) * math.log(f0) + w * math.log(f1))
+        return points[-1][1]
+
+    def elementwise_per_s(self, dtype_bytes: int) -> float | None:
+        """Measured element operations per second on the CPU for the dtype (None: not measured)."""
+        return self.cpu_elementwise_bf16_per_s if dtype_bytes == 2 else self.cpu_elementwise_fp32_per_s
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,12 +172,19 @@ class MachineProfile:
                                f"(an accelerator) or none (CPU only)")
         for name in given:
             _positive(where, name, data[name])
-        if data.get("layer_overhead_s") is not None:
-            _positive(where, "layer_overhead_s", data["layer_overhead_s"])
+        for name in _OPTIONAL_FIELDS:
+            if data.get(name) is not None:
+                _positive(where, name, data[name])
+        for name in _CURVE_FIELDS:
+            if data.get(name) is not None:
+                _curve(where, name, data[name])
         values = {k: v for k, v in data.items() if k in known}
         for name in ("cpu_threads", "host_memory_bytes", "device_memory_bytes"):
             if values.get(name) is not None:
                 values[name] = int(values[name])
+        for name in _CURVE_FIELDS:
+            if values.get(name) is not None:
+                values[name] = {str(int(r)): float(f) for r, f in values[name].items()}
         return cls(**values)
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
@@ -166,11 +222,31 @@ class MachineProfile:
                  f"  CPU ({self.cpu_threads} threads) matmul bf16 {self.cpu_flops_bf16_batch1 / 1e9:.1f} / "
                  f"{self.cpu_flops_bf16_large / 1e9:.1f} GFLOP/s, fp32 {self.cpu_flops_fp32_batch1 / 1e9:.1f} / "
                  f"{self.cpu_flops_fp32_large / 1e9:.1f} GFLOP/s (batch 1 / large batch)"]
+        if self.cpu_expert_flops_bf16:
+            lines.append("  CPU expert forward bf16 (rows: GFLOP/s) " + ", ".join(
+                f"{r}: {f / 1e9:.0f}" for r, f in sorted(self.cpu_expert_flops_bf16.items(), key=lambda i: int(i[0]))))
+        if self.cpu_elementwise_bf16_per_s:
+            lines.append(f"  CPU elementwise bf16 {self.cpu_elementwise_bf16_per_s / 1e9:.2f} G/s, fp32 "
+                         f"{(self.cpu_elementwise_fp32_per_s or 0) / 1e9:.2f} G/s")
+        if self.layer_overhead_s:
+            lines.append(f"  framework overhead {self.layer_overhead_s * 1e3:.2f} ms per layer and pass, "
+                         f"{(self.step_overhead_s or 0) * 1e3:.2f} ms per generate step")
         if self.has_device:
             lines.append(f"  device {self.device_name}: host-to-device {self.h2d_bytes_per_s / 1e9:.1f} GB/s, "
                          f"{self.device_flops / 1e12:.1f} TFLOP/s, memory {self.device_memory_bytes / 2**30:.1f} GiB "
                          f"at {self.device_memory_bytes_per_s / 1e9:.0f} GB/s")
         return "\n".join(lines)
+
+
+def _curve(where: str, name: str, value: Any) -> None:
+    """A {rows: FLOP/s} mapping: keys whole numbers >= 1 (JSON keys are strings), values numbers > 0."""
+    if not isinstance(value, dict) or not value:
+        raise ProfileError(f"{where}: field {name!r} must be a non-empty object {{rows: FLOP/s}} such as "
+                           f"{{\"1\": 2e10, \"256\": 4e11}}, got {value!r}")
+    for rows, flops in value.items():
+        if not str(rows).isdigit() or int(rows) < 1:
+            raise ProfileError(f"{where}: field {name!r} has row count {rows!r}; allowed: whole numbers >= 1")
+        _positive(where, f"{name}[{rows!r}]", flops)
 
 
 def _positive(where: str, name: str, value: Any) -> None:
@@ -210,7 +286,8 @@ def load_profile(spec: str | os.PathLike | None = None) -> MachineProfile:
 def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_threads: int = 4,
             memcpy_bytes: int = 256 << 20, matmul_hidden: int = 2048, matmul_large_rows: int = 256,
             seconds_per_kernel: float = 0.25, device: str | None = None, name: str | None = None,
-            overhead: bool = True) -> MachineProfile:
+            overhead: bool = True, expert_hidden: int = 1024, expert_rows: tuple[int, ...] = EXPERT_CURVE_ROWS,
+            cold_bytes: int = 256 << 20) -> MachineProfile:
     """Measure this machine (a few seconds at the defaults) with torch's current thread count.
 
     Example (tiny sizes, as the tests run it):
@@ -221,11 +298,15 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
     """
     for arg, value in (("disk_piece_bytes", disk_piece_bytes), ("disk_pieces", disk_pieces),
                        ("disk_threads", disk_threads), ("memcpy_bytes", memcpy_bytes),
-                       ("matmul_hidden", matmul_hidden), ("matmul_large_rows", matmul_large_rows)):
+                       ("matmul_hidden", matmul_hidden), ("matmul_large_rows", matmul_large_rows),
+                       ("expert_hidden", expert_hidden), ("cold_bytes", cold_bytes)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"measure: {arg} must be an int >= 1, got {value!r}")
     use_cuda = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
-    steps = ["disk", "memcpy", "cpu matmul"] + (["device"] if use_cuda else []) + (["overhead"] if overhead else [])
+    if not expert_rows or any(not isinstance(r, int) or r < 1 for r in expert_rows):
+        raise ValueError(f"measure: expert_rows must be row counts >= 1, got {expert_rows!r}")
+    steps = (["disk", "memcpy", "cpu matmul", "cpu expert and elementwise"] + (["device"] if use_cuda else [])
+             + (["overhead"] if overhead else []))
     values: dict[str, Any] = {}
     bar = progress(total=len(steps), desc="profiling this machine")
     try:
@@ -238,12 +319,18 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
                 values[f"cpu_flops_{key}_{size}"] = _matmul_flops(rows, matmul_hidden, dtype, "cpu",
                                                                   seconds_per_kernel)
         bar.update(1)
+        for dtype, key in ((torch.bfloat16, "bf16"), (torch.float32, "fp32")):
+            values[f"cpu_expert_flops_{key}"] = _expert_curve(expert_hidden, dtype, expert_rows, cold_bytes,
+                                                              seconds_per_kernel / 2)
+            values[f"cpu_elementwise_{key}_per_s"] = _elementwise_rate(dtype, seconds_per_kernel / 2)
+        bar.update(1)
         if use_cuda:
             dev = torch.device(device or "cuda:0")
             values.update(_device_numbers(dev, memcpy_bytes, matmul_hidden, seconds_per_kernel))
             bar.update(1)
         if overhead:
-            values["layer_overhead_s"] = _layer_overhead("cuda:0" if use_cuda else "cpu", seconds_per_kernel)
+            values["layer_overhead_s"], values["step_overhead_s"] = _layer_overhead(
+                "cuda:0" if use_cuda else "cpu", seconds_per_kernel)
             bar.update(1)
     finally:
         bar.close()
@@ -326,9 +413,51 @@ def _matmul_flops(rows: int, hidden: int, dtype: torch.dtype, device: str, secon
     return best_rate(2.0 * rows * hidden * 4 * hidden, run, seconds)
 
 
-def _layer_overhead(device: str, seconds: float) -> float:
-    """Seconds per MoE layer of a one-token decode step of the offloaded demo model with every expert cached: its
-    layers are so small that the time is the framework's (Python, dispatch, the engine's bookkeeping)."""
+def _expert_curve(hidden: int, dtype: torch.dtype, rows_list: tuple[int, ...], cold_bytes: int,
+                  seconds: float) -> dict[str, float]:
+    """FLOP/s of the engine's expert loop body (`execute.offloaded_experts_forward`: gather the rows, gate_up,
+    SiLU x up, down, scale by the routing weight, scatter) on an expert of Mixtral's proportions (intermediate =
+    3.5 x hidden), per row count. Few rows read the weights once per call: several experts are rotated through
+    `cold_bytes`, more than a last-level cache, so they come from DRAM as in a decode step over the whole model."""
+    inter = hidden * 7 // 2
+    expert_bytes = 3 * hidden * inter * dtype.itemsize
+    gen = torch.Generator().manual_seed(0)
+    curve = {}
+    for rows in rows_list:
+        # Many rows reuse each weight enough that its first read does not matter: one expert is enough there.
+        count = max(1, math.ceil(cold_bytes / expert_bytes)) if rows < 64 else 1
+        experts = [(torch.randn(2 * inter, hidden, generator=gen, dtype=dtype),
+                    torch.randn(hidden, inter, generator=gen, dtype=dtype)) for _ in range(count)]
+        k = 2
+        states = torch.randn(rows * k, hidden, dtype=dtype)                # the layer's input, T = rows x k
+        picked = torch.randperm(rows * k, generator=gen)[:rows]            # this expert's (token, slot) rows
+        weights = torch.rand(rows * k, dtype=dtype)
+        out = torch.empty(rows * k, hidden, dtype=dtype)
+
+        def run() -> None:
+            for gate_up, down in experts:
+                x = states[picked // k]
+                gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
+                y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down)
+                out[picked] = y * weights[picked, None]
+
+        run()   # warm-up
+        curve[str(rows)] = best_rate(2.0 * 3 * rows * hidden * inter * count, run, seconds)
+        del experts
+    return curve
+
+
+def _elementwise_rate(dtype: torch.dtype, seconds: float, numel: int = 1 << 21) -> float:
+    """Element operations per second of SiLU(a) x b (two operations per element), as an activation takes them."""
+    a = torch.randn(numel, dtype=dtype)
+    b = torch.randn(numel, dtype=dtype)
+    return best_rate(2.0 * numel, lambda: torch.nn.functional.silu(a) * b, seconds)
+
+
+def _layer_overhead(device: str, seconds: float) -> tuple[float, float]:
+    """(seconds per MoE layer, seconds per generate step outside the layers) of one-token decode steps of the
+    offloaded demo model with every expert cached: its layers are so small that the time is the framework's
+    (Python, dispatch, the engine's bookkeeping; `generate`'s logits processing and input bookkeeping)."""
     import warnings
 
     from . import from_pretrained
@@ -353,7 +482,17 @@ def _layer_overhead(device: str, seconds: float) -> float:
             for _ in range(3):   # warm-up: every expert read into the cache once
                 step()
             steps_per_s = best_rate(1.0, step, seconds, min_runs=5)
-        return 1.0 / steps_per_s / layers
+            per_layer = 1.0 / steps_per_s / layers
+
+            def generate(new: int) -> None:
+                model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+                sync()
+
+            extra = 8   # decode steps between the two generate lengths
+            short = 1.0 / best_rate(1.0, lambda: generate(1), seconds / 2, min_runs=3)
+            long = 1.0 / best_rate(1.0, lambda: generate(1 + extra), seconds / 2, min_runs=3)
+        # A noisy machine can make the difference smaller than the layers' share: keep a tiny positive floor.
+        return per_layer, max((long - short) / extra - layers * per_layer, 1e-6)
     finally:
         from . import disable
         disable(model)
