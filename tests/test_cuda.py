@@ -704,3 +704,68 @@ def test_e26_quantized_experts_with_auto_compute_calibrate_in_the_compute_dtype(
                    expert_cache="50%")
     assert torch.equal(_generate(auto, ids, mask), _generate(copied, ids, mask))
     assert hf_moe_offload.stats(auto)["cpu_flops"] > 0
+
+
+# -- a user's device_map next to offload_policy (issue 11 parts 2-3; CPU stand-ins: tests/test_device_map.py) -------
+
+def _with_map(path: str, device_map, policy: dict, **kwargs):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, device_map=device_map, offload_policy=policy, **kwargs).eval()
+
+
+@pytest.mark.cuda2
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA GPUs")
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_device_map_two_gpus_keeps_tokens_with_a_cache_per_gpu(tiny_models, store):
+    """Layer 0 on cuda:0, layer 1 on cuda:1: one cache and copy stream per GPU, each within its own budget and
+    serving only its layer; same tokens as the unpatched model on one GPU."""
+    path = tiny_models["mixtral"]
+    ids, mask = _ids(batch=3, left_pad=True)
+    expected = _generate(_resident("mixtral", path), ids, mask)
+    model = _with_map(path, {"": "cuda:0", "model.layers.1": "cuda:1"}, {"store": store, "expert_cache": "50%"},
+                      max_memory={0: "2GiB", 1: "2GiB"})
+    group = hf_moe_offload.get_engine(model).cache
+    assert {d: c.device for d, c in group.caches.items()} == {"cuda:0": torch.device("cuda:0"),
+                                                              "cuda:1": torch.device("cuda:1")}
+    assert group.caches["cuda:0"].copy.stream is not group.caches["cuda:1"].copy.stream
+    assert torch.equal(_generate(model, ids, mask), expected)
+    devices = hf_moe_offload.stats(model)["devices"]
+    assert devices["cuda:0"]["layers"] == [0] and devices["cuda:1"]["layers"] == [1]
+    for d in devices.values():
+        assert 0 < d["peak_cache_bytes"] <= d["cache_capacity_bytes"] and d["misses"] > 0
+    assert model.get_submodule("model.layers.1.self_attn.q_proj").weight.device == torch.device("cuda:1")
+    hf_moe_offload.disable(model)
+    assert model.get_submodule("model.layers.1.mlp.experts").down_proj.device == torch.device("cuda:1")
+    assert torch.equal(_generate(model, ids, mask), expected)
+
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_device_map_one_gpu_and_cpu_keeps_tokens(tiny_models, store):
+    """Layer 1 on the CPU next to cuda:0: its cache is on the CPU (host experts used in place with store='cpu',
+    slots in host memory with 'disk'), layer 0's on the GPU; accelerate's hooks move the activations; same tokens."""
+    path = tiny_models["mixtral"]
+    ids, mask = _ids(batch=3, left_pad=True)
+    expected = _generate(_resident("mixtral", path), ids, mask)
+    model = _with_map(path, {"": "cuda:0", "model.layers.1": "cpu"}, {"store": store, "expert_cache": "50%"})
+    group = hf_moe_offload.get_engine(model).cache
+    assert group.caches["cuda:0"].device.type == "cuda" and group.caches["cpu"].device.type == "cpu"
+    assert group.caches["cpu"].zero_copy == (store == "cpu")
+    assert model.get_submodule("model.layers.1.self_attn.q_proj").weight.device.type == "cpu"
+    assert torch.equal(_generate(model, ids, mask), expected)
+    devices = hf_moe_offload.stats(model)["devices"]
+    assert devices["cuda:0"]["layers"] == [0] and devices["cuda:0"]["misses"] > 0
+    assert devices["cpu"]["layers"] == [1]
+
+
+def test_device_map_auto_with_max_memory_on_a_gpu_keeps_tokens(tiny_models):
+    """device_map='auto' with max_memory={0: ..., 'cpu': ...}: accelerate places the non-expert part (all of it
+    fits cuda:0 here), the cache is on cuda:0, same tokens."""
+    path = tiny_models["mixtral"]
+    ids, mask = _ids(batch=3, left_pad=True)
+    expected = _generate(_resident("mixtral", path), ids, mask)
+    model = _with_map(path, "auto", {"store": "disk", "expert_cache": "50%"}, max_memory={0: "1GiB", "cpu": "4GiB"})
+    cache = hf_moe_offload.get_engine(model).cache
+    assert cache.device == torch.device("cuda:0")
+    assert torch.equal(_generate(model, ids, mask), expected)
+    assert 0 < hf_moe_offload.stats(model)["peak_cache_bytes"] <= cache.num_slots * cache.slot_bytes

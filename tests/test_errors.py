@@ -90,9 +90,12 @@ def test_truncated_shard_is_named(tiny_models, tmp_path):
         offloaded_any(path, {"device": "cpu", "store": "disk", "expert_cache": "50%"})
 
 
-def test_device_map_conflicts_with_policy(tiny_models):
-    with pytest.raises(PolicyError, match="device_map= cannot be combined with offload_policy"):
-        AutoModelForCausalLM.from_pretrained(tiny_models["mixtral"], offload_policy="auto", device_map="cpu")
+def test_offload_folder_conflicts_with_policy(tiny_models, tmp_path):
+    # device_map= / max_memory= compose with the policy now (tests/test_device_map.py); a non-expert disk offload
+    # folder does not.
+    with pytest.raises(PolicyError, match="offload_folder= cannot be combined with offload_policy"):
+        AutoModelForCausalLM.from_pretrained(tiny_models["mixtral"], offload_policy="auto", device_map="cpu",
+                                             offload_folder=str(tmp_path))
 
 
 def test_a_failed_load_leaves_nothing_patched(tiny_models, tmp_path):
