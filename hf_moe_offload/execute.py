@@ -7,11 +7,14 @@ Shapes: T = tokens, H = hidden, k = experts per token, E = experts, I = expert i
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
+
+from .layout import SlabLayout
 
 EXPERTS_IMPLEMENTATION = "hf_moe_offload"
 
@@ -146,3 +149,28 @@ class OffloadedSwitchExperts(nn.Module):
                 y = expert_linear(h, weights["wo"]).to(out.device) * routing_weights[tokens, 0, None]  # [n, H]
                 out.index_add_(0, tokens, y.to(hidden_states.dtype))
         return _refuse_backward(out, hidden_states)
+
+
+@dataclass(frozen=True)
+class MatmulSlabLayout(SlabLayout):
+    """The slab of an expert whose weights are used as `x @ weight` (transposed against `F.linear`'s [out, in]) or
+    added (biases): GPT-OSS, DBRX, Llama-4. int8/int4 quantization packs [out, in] matrices for `F.linear`, so it
+    does not apply; `quantize_refusal` is the message `QuantizedSlabLayout.build` raises instead.
+
+    Example:
+        >>> MatmulSlabLayout(parts=(("up", (2, 4)),), quantize_refusal="no").numel
+        8
+    """
+
+    quantize_refusal: str = ""
+
+
+def matmul_refusal(family: str, why: str) -> str:
+    """The quantize refusal of an adapter's `MatmulSlabLayout`: names the family, why, and what is allowed.
+
+    Example:
+        >>> matmul_refusal("DBRX", "w2 is [I, H]")[:32]
+        "quantize='int8'/'int4' is not ava"
+    """
+    return (f"quantize='int8'/'int4' is not available for {family} experts ({why}; the quantized kernels take "
+            f"[out, in] weights without bias); allowed for {family}: quantize='none' (exact)")

@@ -116,6 +116,9 @@ class QuantizedSlabLayout:
         int4 part its kernel accepts (N a multiple of 16), plain for the others."""
         if method not in METHODS:
             raise ValueError(f"quantize={method!r} is not a quantization method; allowed: {list(METHODS)}")
+        if getattr(dense, "quantize_refusal", ""):   # experts computing x @ W (+ bias): GPT-OSS, DBRX, Llama-4
+            from .policy import PolicyError
+            raise PolicyError(dense.quantize_refusal)
         itemsize = compute_dtype.itemsize
         parts, offset = [], 0
         for name, shape in dense.parts:

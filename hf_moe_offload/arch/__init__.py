@@ -228,7 +228,8 @@ def supported_families() -> list[dict[str, str]]:
     for arch in _REGISTRY:
         if not isinstance(arch, fused.FusedExpertsArch):
             rows += [{"model_type": t, "experts": "own adapter (" + type(arch).__name__ + ")",
-                      "checkpoint": "per expert", "status": "supported"} for t in arch.model_types]
+                      "checkpoint": getattr(arch, "checkpoint_note", "per expert"), "status": "supported"}
+                     for t in arch.model_types]
     return sorted(rows, key=lambda r: r["model_type"])
 
 
@@ -266,6 +267,6 @@ def get_arch(config) -> MoEArch:
                                 f"Transformers); supported model types: {supported_model_types()}")
 
 
-from . import fused, switch  # noqa: E402,F401  (registers the adapters)
+from . import fused, switch, gpt_oss, dbrx, llama4  # noqa: E402,F401  (registers the adapters)
 
 FUSED_MODEL_TYPES = fused.FusedExpertsArch.model_types   # the explicit entries; supported_model_types() has all

@@ -90,6 +90,12 @@ def experts_flags(cls: type) -> dict[str, bool] | None:
     return {f: bool(cells[f]) for f in _FLAGS}
 
 
+def _own_adapter(model_type: str) -> bool:
+    """Whether another registered adapter (`arch/gpt_oss.py`, ...) offloads `model_type`."""
+    from . import _REGISTRY
+    return any(not isinstance(arch, FusedExpertsArch) and arch.supports(model_type) for arch in _REGISTRY)
+
+
 def _refusal(cls_name: str, flags: dict[str, bool]) -> str | None:
     wrong = [_FLAG_REASONS[f] for f, ok in _SUPPORTED_FLAGS.items() if flags[f] != ok]
     return None if not wrong else f"{cls_name} has {', '.join(wrong)}"
@@ -144,6 +150,8 @@ def discover_family(model_type: str) -> Family | None:
         >>> discover_family("deepseek_v3").expert_names
         ('gate_proj', 'up_proj', 'down_proj')
     """
+    if _own_adapter(model_type):        # e.g. GPT-OSS: its experts use the interface in a layout of their own
+        return None
     try:
         module = _modeling_module(model_type)
     except Exception as exc:   # noqa: BLE001  (a missing optional dependency, an unknown model type)
@@ -166,8 +174,8 @@ def discover_families() -> dict[str, Family]:
     supported or refused (`Family.refused` says why). Imports each candidate modeling module once (seconds).
 
     Example:
-        >>> discover_families()["gpt_oss"].refused                # doctest: +ELLIPSIS
-        'GptOssExperts has interleaved gate/up rows (is_concatenated=False), transposed weights ...'
+        >>> discover_families()["aria_text"].refused              # doctest: +ELLIPSIS
+        'AriaExperts has transposed weights (is_transposed=True)'
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     found = dict(FusedExpertsArch.FAMILIES_BY_TYPE)

@@ -1,0 +1,153 @@
+"""GPT-OSS: `GptOssExperts` goes through transformers' `ExpertsInterface`, but with its own layout, which the fused
+adapter does not compute: transposed weights (`gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`), biases
+(`gate_up_proj_bias [E, 2I]`, `down_proj_bias [E, H]`) and interleaved gate/up columns with a clamped SwiGLU
+(`GptOssExperts._apply_gate`, which is reused as is).
+
+In a Hub checkpoint (and as `save_pretrained` writes it) the experts are the same four fused tensors; each expert
+is row `e` of each. MXFP4 checkpoints (`*_blocks`/`*_scales`, `quantization_config` quant_method "mxfp4") are refused
+before loading, naming the method (`loading.checkpoint_block_size`): load the bf16 weights instead.
+
+The offloaded forward is registered in `ExpertsInterface` as "hf_moe_offload_gpt_oss"; attaching selects it and
+detaching restores the model's previous experts implementation.
+
+Example:
+    >>> model = AutoModelForCausalLM.from_pretrained("openai/gpt-oss-20b-bf16",      # doctest: +SKIP
+    ...                                              offload_policy={"store": "disk", "expert_cache": "25%"})
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+from transformers.integrations.moe import ExpertsInterface
+
+from ..checkpoint import CheckpointError, CheckpointIndex
+from ..execute import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
+                       weights_device)
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch, \
+    release_parameter, restore_parameter, weight_piece
+
+GPT_OSS_IMPLEMENTATION = "hf_moe_offload_gpt_oss"
+_PREVIOUS_IMPL = "_hf_moe_offload_previous_experts_implementation"
+# slab part -> the experts module's parameter (also its name in a Hub checkpoint)
+PARAMS = {"gate_up": "gate_up_proj", "gate_up_bias": "gate_up_proj_bias", "down": "down_proj",
+          "down_bias": "down_proj_bias"}
+
+
+@torch.compiler.disable
+def offloaded_gpt_oss_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                                      top_k_weights: torch.Tensor) -> torch.Tensor:
+    """`ExpertsInterface` function for an offloaded `GptOssExperts`: per routed expert,
+    `(_apply_gate(x @ gate_up + gate_up_bias)) @ down + down_bias`, weighted; written per (token, slot) and summed
+    over the k slots at the end like transformers' grouped_mm, so the arrival order of experts changes nothing.
+
+    hidden_states [T, H]; top_k_index, top_k_weights [T, k].
+    """
+    runtime = getattr(self, "_hf_moe_offload", None)
+    if runtime is None:
+        raise RuntimeError(f"{type(self).__name__} has no offloaded weights attached; experts_implementation="
+                           f"{GPT_OSS_IMPLEMENTATION!r} is only usable through hf_moe_offload")
+    num_tokens, hidden = hidden_states.shape
+    k = top_k_index.shape[-1]
+    flat_weights = top_k_weights.reshape(-1)                      # [T*k]
+    rows_of = group_by_expert(top_k_index.reshape(-1), self.num_experts)
+    out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
+    tokens = [rows.numel() for rows in rows_of.values()]
+    with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of), hidden_states, tokens)) as fetched:
+        weighted = hidden_states.new_empty(num_tokens * k, hidden, dtype=out_dtype)   # [T*k, H], every row written
+        for expert, w in fetched:
+            rows = rows_of[expert]
+            x = hidden_states[rows // k].to(weights_device(w))   # [n, H]
+            h = self._apply_gate(x @ w["gate_up"] + w["gate_up_bias"])                 # [n, I]
+            y = (h @ w["down"] + w["down_bias"]).to(weighted.device)                   # [n, H]
+            weighted[rows] = y * flat_weights[rows, None]
+        out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
+    return _refuse_backward(out, hidden_states)
+
+
+ExpertsInterface.register(GPT_OSS_IMPLEMENTATION, offloaded_gpt_oss_experts_forward)
+
+
+class GptOssArch(MoEArch):
+    """GPT-OSS (`gpt_oss`): transposed, biased experts with interleaved gate/up and a clamped SwiGLU."""
+
+    model_types = ("gpt_oss",)
+    checkpoint_note = "fused: gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias"
+
+    def is_experts_module(self, module: nn.Module) -> bool:
+        return type(module).__name__ == "GptOssExperts"
+
+    def layout(self, module: nn.Module) -> SlabLayout:
+        _, h, two_i = module.gate_up_proj.shape
+        return MatmulSlabLayout(
+            parts=(("gate_up", (h, two_i)), ("gate_up_bias", (two_i,)), ("down", tuple(module.down_proj.shape[1:])),
+                   ("down_bias", (h,))),
+            quantize_refusal=matmul_refusal("GPT-OSS", "transposed weights [in, out] and biases"))
+
+    def top_k(self, config) -> int:
+        return int(config.get_text_config(decoder=True).num_experts_per_tok)
+
+    def expert_pieces(self, index: CheckpointIndex, name: str, expert: int, layout: SlabLayout
+                      ) -> list[ExpertPiece]:
+        for prefix in checkpoint_key_candidates(name):
+            keys = {part: f"{prefix}.{param}" for part, param in PARAMS.items()}
+            if all(k in index for k in keys.values()):
+                return [weight_piece(index, part, 0, key, expert) for part, key in keys.items()]
+        prefix = checkpoint_key_candidates(name)[0]
+        if f"{prefix}.gate_up_proj_blocks" in index or f"model.{prefix}.gate_up_proj_blocks" in index:
+            raise CheckpointError(f"checkpoint {index.root} holds the GPT-OSS experts of {name} as MXFP4 "
+                                  f"(gate_up_proj_blocks/_scales), which hf_moe_offload does not read per expert; "
+                                  f"use the bf16 checkpoint (or save one with transformers' dequantized load)")
+        raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked for "
+                              f"{prefix}.{{{', '.join(PARAMS.values())}}})")
+
+    def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
+        return {part: getattr(module, param).data[expert] for part, param in PARAMS.items()}
+
+    def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
+        for part, param in PARAMS.items():
+            restore_parameter(module, param, stacked[part])
+
+    def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {param: stacked[part] for part, param in PARAMS.items()}
+
+    def release_expert_params(self, module: nn.Module) -> None:
+        for param in PARAMS.values():
+            release_parameter(module, param)
+
+    # -- routing: GptOssTopKRouter returns (logits [T, E], softmax over the top-k logits [T, k], indices [T, k]) --
+
+    def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
+        return model.get_submodule(layer.name.rsplit(".", 1)[0]).router
+
+    def router_weight(self, model: nn.Module, layer: MoELayer) -> torch.Tensor | None:
+        # The router also has a bias, which look-ahead's `hidden @ weight.T` leaves out: a guess, not a decision.
+        return self.router_module(model, layer).weight
+
+    def router_logits(self, output, router: nn.Module | None = None) -> torch.Tensor:
+        return output[0]
+
+    def routing_from_logits(self, router: nn.Module, logits: torch.Tensor, output):
+        logits = logits.to(output[0].dtype)
+        top_value, top_index = torch.topk(logits, router.top_k, dim=-1)               # [T, k]
+        scores = torch.softmax(top_value, dim=1, dtype=top_value.dtype)
+        return logits, scores.to(output[1].dtype), top_index
+
+    def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
+        layer.module._hf_moe_offload = runtime
+        if not hasattr(model, _PREVIOUS_IMPL):
+            setattr(model, _PREVIOUS_IMPL, model.config._experts_implementation)
+            model.set_experts_implementation(GPT_OSS_IMPLEMENTATION)
+
+    def detach(self, model: nn.Module, layer: MoELayer) -> None:
+        if hasattr(layer.module, "_hf_moe_offload"):
+            del layer.module._hf_moe_offload
+        previous = getattr(model, _PREVIOUS_IMPL, None)
+        if previous is not None:
+            delattr(model, _PREVIOUS_IMPL)
+            model.set_experts_implementation(previous)
+
+
+register_arch(GptOssArch())
