@@ -43,6 +43,7 @@ from .auto import Footprint, ResolvedPolicy, _free_bytes, _headroom, _workload, 
 from .cache import ExpertCache
 from .eviction import make_eviction
 from .layout import MoELayer
+from .placement import check_placement
 from .policy import AUTO, OffloadPolicy, PolicyError, format_bytes, normalize_device, parse_size
 from .stats import DeviceStats, OffloadStats
 from .store import ExpertStore
@@ -339,6 +340,11 @@ def _budgets(policy: OffloadPolicy, fp: Footprint, primary: torch.device, layers
             free = limits.get(d, _free_bytes(physical[d]))
             budgets[d] = max(0, free - placed.get(d, 0) - _headroom(physical[d], fp, batch, seq_len))
         total = sum(budgets[d] for d in slotted)
+        # expert_compute="cpu" copies only the resident layers: the cache is capped to them, as without a map.
+        capped = check_placement(resolved.policy, fp.layer_experts, fp.slab_bytes, fp.top_k, total, False)
+        if capped < total:
+            budgets.update(_split(capped, {d: max(1, budgets[d]) for d in slotted}))
+            total = sum(budgets[d] for d in slotted)
         resolved = dataclasses.replace(resolved, cache_bytes=total,
                                        policy=dataclasses.replace(resolved.policy, expert_cache=total))
     else:

@@ -79,6 +79,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     pieces = _locate_experts(arch, index, layers)
     dtype = _requested_dtype(kwargs, pieces, config)
     fp = footprint(skeleton, layers, dtype, _quantized_layouts(policy, layers, dtype))
+    predictor = _load_predictor(policy, skeleton)       # (before plan_devices strips the skeleton's experts)
     plan = None
     if user_map is None:
         resolved = resolve(policy, fp)
@@ -86,7 +87,6 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
         from .devices import plan_devices
 
         plan, resolved = plan_devices(skeleton, layers, user_map, max_memory, policy, fp, dtype)
-    predictor = _load_predictor(policy, skeleton)
     device = torch.device(resolved.policy.device)
 
     device_map = _device_map(skeleton, layers, device) if plan is None else plan.module_map

@@ -156,3 +156,21 @@ def test_a_share_below_one_layers_working_set_names_the_smallest_budget(mixtral,
     with stand_in_devices("dev0", "dev1"):
         model = _load(path, SPLIT, {"store": "disk", "expert_cache": 4 * slab})
     assert [c.num_slots for c in hf_moe_offload.get_engine(model).cache.caches.values()] == [2, 2]
+
+
+@pytest.mark.parametrize("policy", [
+    {"store": "disk", "expert_cache": "50%", "schedule": "stream", "eviction": "lookahead"},
+    {"store": "disk", "expert_compute": "cpu"},
+    {"store": "cpu"},
+])
+def test_two_stand_in_devices_keep_tokens_under_other_policies(mixtral, policy):
+    """Streamed passes (read-ahead into the other device's cache), CPU compute (no slots anywhere), host experts
+    used in place on both CPU stand-ins."""
+    path, ids, mask, expected, _ = mixtral
+    with stand_in_devices("dev0", "dev1"):
+        model = _load(path, SPLIT, policy)
+    assert torch.equal(_generate(model, ids, mask), expected)
+    snap = hf_moe_offload.stats(model)
+    assert set(snap["devices"]) == {"dev0", "dev1"}
+    if policy.get("expert_compute") == "cpu":
+        assert snap["cache_capacity_bytes"] == 0 and snap["cpu_computed"] == snap["experts_used"] > 0
