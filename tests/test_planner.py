@@ -1,7 +1,9 @@
 """The planner and the machine profile (issue 9 parts 2-3): memory never exceeded, CPU attention when the KV cache
 cannot fit the device, impossible budgets refused naming the smallest, profile files accepted or refused by field."""
 
+import dataclasses
 import json
+import logging
 
 import pytest
 import torch
@@ -101,3 +103,84 @@ def test_plan_cli_on_the_demo_model_with_the_t4_profile(capsys):
     assert main(["plan", "--model", str(DEMO_MODEL), "--batch", "8", "--prompt-len", "32", "--gen-len", "16",
                  "--profile", "/nonexistent/profile.json"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ the cost model's profile fields and "auto"
+
+def _cpu_profile(**extra) -> MachineProfile:
+    """The T4 machine's host side (no GPU fields) with a measured-looking expert curve."""
+    data = {k: v for k, v in load_profile("t4").to_dict().items()
+            if k not in ("h2d_bytes_per_s", "device_flops", "device_memory_bytes", "device_memory_bytes_per_s",
+                         "device_name")}
+    data.update(name="cpu test", cpu_expert_flops_bf16={"1": 2e10, "64": 3e11, "1024": 4e11},
+                cpu_expert_flops_fp32={"1": 1e10, "1024": 1e11}, cpu_elementwise_bf16_per_s=4e9,
+                cpu_elementwise_fp32_per_s=5e9, layer_overhead_s=5e-4, step_overhead_s=1e-3, **extra)
+    return MachineProfile.from_dict(data)
+
+
+def test_new_profile_fields_round_trip_and_old_files_still_load(tmp_path):
+    p = _cpu_profile()
+    path = p.save(tmp_path / "p.json")
+    assert MachineProfile.load(path) == p
+    assert p.expert_flops(1024, 2) == pytest.approx(4e11) and 2e10 < p.expert_flops(8, 2) < 3e11
+    # The shipped files predate these fields: they load, and plan with the two-point roofline.
+    old = load_profile("l4")
+    assert old.cpu_expert_flops_bf16 is None and old.expert_flops(8, 2) is None
+    for field, value in (("cpu_expert_flops_bf16", [1, 2]), ("cpu_expert_flops_fp32", {"x": 1e9}),
+                         ("cpu_expert_flops_bf16", {"4": -1}), ("cpu_elementwise_bf16_per_s", "fast"),
+                         ("step_overhead_s", 0)):
+        path.write_text(json.dumps(dict(p.to_dict(), **{field: value})))
+        with pytest.raises(ProfileError, match=field):
+            MachineProfile.load(path)
+
+
+def test_cost_model_counts_what_a_matmul_misses(mixtral):
+    """The curve and elementwise terms make CPU passes slower than the bare matmul roofline, never faster, and the
+    measured read bytes replace the uniform-routing estimate."""
+    from hf_moe_offload.planner import Candidate, predict
+
+    plain = dataclasses.replace(_cpu_profile(), cpu_expert_flops_bf16=None, cpu_elementwise_bf16_per_s=None,
+                                layer_overhead_s=None, step_overhead_s=None)
+    cand = Candidate("stream", "on_demand", 0.25, 64, "device")
+    full = predict(mixtral, _cpu_profile(), cand, "cpu", "disk", 1, 64, 16)
+    bare = predict(mixtral, plain, cand, "cpu", "disk", 1, 64, 16)
+    assert full[0] < bare[0] and full[1] < bare[1]
+    fewer = predict(mixtral, _cpu_profile(), cand, "cpu", "disk", 1, 64, 16, read_bytes=(None, 0.0))
+    assert fewer[1] > full[1]   # a decode that reads nothing is faster than one reading 75% of its experts
+
+
+def test_auto_uses_the_cached_profile_and_logs_its_plan(tmp_path, monkeypatch, caplog):
+    import hf_moe_offload
+
+    monkeypatch.setenv("HF_MOE_OFFLOAD_CACHE", str(tmp_path))
+    _cpu_profile().save()
+    policy = {"device": "cpu", "store": "disk", "expert_cache": "50%", "max_batch_size": 8, "max_seq_len": 64}
+    with caplog.at_level(logging.INFO, logger="hf_moe_offload"):
+        model = hf_moe_offload.from_pretrained(DEMO_MODEL, policy)
+    lines = [r.getMessage() for r in caplog.records if "auto plan" in r.getMessage()]
+    assert len(lines) == 1 and "predicted prefill" in lines[0] and "bound by" in lines[0]
+    plan = hf_moe_offload.stats(model)["plan"]
+    engine = hf_moe_offload.get_engine(model)
+    # The plan's choice is what the engine runs with, and stats shows it beside the measured side.
+    assert engine.policy.stream_window == plan["policy_fields"]["stream_window"]
+    assert engine.policy.schedule == plan["policy_fields"]["schedule"]
+    assert f"stream_window={engine.policy.stream_window}" in lines[0] and plan["profile"] == "cpu test"
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    out = model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    snap = hf_moe_offload.stats(model)
+    assert snap["plan"]["predicted_tok_s"] > 0 and snap["measured"]
+    hf_moe_offload.disable(model)
+    assert torch.equal(model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0), out)
+
+
+def test_auto_without_a_profile_keeps_the_rule_and_says_so(tmp_path, monkeypatch, caplog):
+    import hf_moe_offload
+
+    monkeypatch.setenv("HF_MOE_OFFLOAD_CACHE", str(tmp_path))   # nothing cached there
+    with caplog.at_level(logging.INFO, logger="hf_moe_offload"):
+        model = hf_moe_offload.from_pretrained(DEMO_MODEL, {"device": "cpu", "store": "disk", "expert_cache": "50%"})
+    text = "\n".join(r.getMessage() for r in caplog.records)
+    assert "no usable machine profile" in text and "hf-moe-offload profile" in text
+    assert hf_moe_offload.get_engine(model).policy.stream_window == 2
+    assert "plan" not in hf_moe_offload.stats(model)
+    hf_moe_offload.disable(model)
