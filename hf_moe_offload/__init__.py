@@ -34,7 +34,11 @@ def stats(model) -> StatsSnapshot:
     engine = get_engine(model)
     if engine is None:
         raise PolicyError("this model is not offloaded by hf_moe_offload (no stats)")
-    return engine.stats_snapshot()
+    from .planner import plan_stats
+
+    snapshot = engine.stats_snapshot()
+    snapshot.update(plan_stats(engine))   # the auto plan's predicted tok/s beside snapshot["measured"]
+    return snapshot
 
 
 install()

@@ -173,6 +173,8 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     window = DEFAULT_STREAM_WINDOW if policy.stream_window == AUTO else policy.stream_window
     resolved = dataclasses.replace(policy, device=str(device), store=store, expert_cache=cache,
                                    max_batch_size=batch, max_seq_len=seq_len, stream_window=window)
+    from .planner import plan_for_policy   # the cost model picks the "auto" performance fields (issue 9)
+    resolved = plan_for_policy(policy, resolved, fp)
     if auto_fields:
         logger.info("hf_moe_offload auto policy: device=%s store=%s%s expert_cache=%s (experts %s, resident part "
                     "%s, RAM available %s)", device, store, why_store, format_bytes(cache),
