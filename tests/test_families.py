@@ -25,21 +25,30 @@ SHRINK = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, moe_interm
               eos_token_id=2, sliding_window=64, enable_moe_block=True)
 EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 TOP_KS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k_experts")
-OVERRIDES = {"zaya": {"num_experts_per_tok": 1}}          # its config refuses any other top-k
-# Families whose tiny model needs more than shrinking the defaults, and why (the offload path is the same).
+# Indexed (DSA) attention: an indexer of 2 heads of 8 picking 4 keys. MLA expands its latent into per-head keys,
+# so these families need as many key/value heads as query heads.
+_INDEXED = dict(index_head_dim=8, index_n_heads=2, index_topk=4, num_key_value_heads=4)
+# Fields the shrunk defaults do not fit, per family (sizes, and hybrids' layer kinds: one of each, an attention last).
+OVERRIDES = {
+    "zaya": {"num_experts_per_tok": 1},          # its config refuses any other top-k
+    "axk2": _INDEXED, "deepseek_v32": _INDEXED, "glm_moe_dsa": _INDEXED, "dots3_note_text": _INDEXED,
+    "hy_v4": dict(index_head_dim=8, index_n_heads=2, index_topk=4),
+    "deepseek_v4": dict(index_head_dim=8, index_n_heads=2, index_topk=4, o_lora_rank=16, head_dim=8,
+                        num_key_value_heads=1, mlp_layer_types=["hash_moe", "moe"]),
+    "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=16,
+                             mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8),
+    "inkling2_text": dict(head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8),
+    "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
+    "qwen4_exp_text": dict(layer_types=["linear_attention", "indexed_attention"], linear_key_head_dim=8,
+                           linear_value_head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4, hc_lowrank=8,
+                           indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=8, indexer_budget=4,
+                           indexer_compress_ratio=2),
+}
+# Families whose tiny model cannot be built here, and why.
 SKIP = {
-    "axk2": "indexed attention needs index sizes matched to the tiny head dims",
-    "deepseek_v32": "indexed attention needs index sizes matched to the tiny head dims",
-    "deepseek_v4": "compressed attention and hash-routed layers need a hand-made tiny config",
     "dots3_note": "composite (vision + text) config",
-    "dots3_note_text": "indexed attention needs index sizes matched to the tiny head dims",
-    "glm_moe_dsa": "indexed attention needs index sizes matched to the tiny head dims",
-    "granitemoehybrid": "its Mamba layers need head counts matched to the tiny hidden size",
-    "hy_v4": "its attention needs a hand-made tiny config",
     "inkling2_text": "its checkpoint keeps experts as w13_weight with a conversion that is more than a rename",
-    "lfm2_moe": "its conv/attention layer layout needs a hand-made tiny config",
     "qwen4_exp": "composite (vision + text) config",
-    "qwen4_exp_text": "linear + indexed attention layers need a hand-made tiny config",
 }
 
 
