@@ -517,12 +517,14 @@ def plan_for_policy(policy: Any, resolved: Any, fp: Footprint, profile: MachineP
 
     Example:
         >>> from hf_moe_offload.policy import OffloadPolicy
+        >>> from hf_moe_offload.profile import load_profile
         >>> fp = Footprint(expert_bytes=64 * 22020096, slab_bytes=22020096, resident_bytes=181569536, top_k=2,
         ...                kv_bytes_per_token=32768, layer_experts=(8,) * 8)
         >>> given = OffloadPolicy(device="cpu", store="disk", expert_cache="25%", max_batch_size=32, max_seq_len=80)
         >>> done = dataclasses.replace(given, expert_cache=16 * 22020096, stream_window=2)
-        >>> plan_for_policy(given, done, fp, load_profile("t4")).schedule   # a CPU profile from the T4's host side
-        'stream'
+        >>> planned = plan_for_policy(given, done, fp, load_profile("t4"))   # the T4 machine's host side
+        >>> planned.schedule, planned.stream_window in STREAM_WINDOWS    # both phases stream: the engine's rule
+        ('auto', True)
     """
     from .policy import AUTO
     from .profile import ProfileError, default_profile_path, load_profile as _load
