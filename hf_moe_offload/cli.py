@@ -59,8 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         "train-hash", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         help="train a SiDA hash predictor (expert prefetching) on a model's own routing",
         description=train_hash.__doc__.split("\n\n")[0]))
-    prof = sub.add_parser("profile", help="measure this machine (disk, memcpy, matmul, host-to-device) and save it "
-                                          "for `plan`; --show prints the saved profile")
+    prof = sub.add_parser("profile", help="measure this machine (disk, memcpy, matmul, the expert forward per row count, "
+                                          "host-to-device) and save it for `plan` and offload_policy='auto'; "
+                                          "--show prints the saved profile")
     prof.add_argument("--show", action="store_true", help="print the saved profile instead of measuring")
     prof.add_argument("--out", default=None, help="where to save (default: $HF_MOE_OFFLOAD_CACHE/profile.json)")
     plan = sub.add_parser("plan", help="the schedule, resident experts, micro-batch and attention placement a "
