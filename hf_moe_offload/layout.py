@@ -42,12 +42,14 @@ class SlabLayout:
 @dataclass(frozen=True)
 class ExpertPiece:
     """A checkpoint byte range that fills rows [row, row + n) of one slab part; with `scales`, `source` is a
-    fine-grained FP8 matrix dequantized by them on the way into the slab (the slab itself stays dense)."""
+    fine-grained FP8 matrix dequantized by them on the way into the slab (the slab itself stays dense); with
+    `interleaved`, its rows alternate (gate 0, up 0, gate 1, ...) and are put gate rows first as they are read."""
 
     part: str
     row: int
     source: ByteRange
     scales: BlockScales | None = None
+    interleaved: bool = False
 
 
 @dataclass

@@ -207,10 +207,12 @@ class DiskStore(ExpertStore):
         lets a streaming window of one or two slots keep the disk busy."""
         layout = self.layouts[layer]
         parts = layout.regions(dst) if self.quantized else layout.views(dst[:layout.numel])
-        chunks = []
+        chunks, interleaved = [], []
         for piece in self.pieces[layer][expert]:
             rows = piece.source.shape[0]
             target = parts[piece.part][piece.row:piece.row + rows]
+            if piece.interleaved:
+                interleaved.append(target)
             fd = self._fd(piece.source.path)
             if piece.scales is not None:        # fine-grained FP8: dequantized on the way in (CPU work, per read)
                 read_fp8_into(piece.source, piece.scales, target, fd, self._fd(piece.scales.source.path),
@@ -223,6 +225,8 @@ class DiskStore(ExpertStore):
             chunks += [(rng, raw[start:start + rng.nbytes], fd) for rng, start in split_range(piece.source,
                                                                                             READ_CHUNK_BYTES)]
         self._read_chunks(chunks)
+        for target in interleaved:      # rows (gate 0, up 0, gate 1, ...) -> gate rows, then up rows
+            target.copy_(target.view(target.shape[0] // 2, 2, *target.shape[1:]).transpose(0, 1).flatten(0, 1))
 
     def _read_chunks(self, chunks: list) -> None:
         """`pread_exact` every (range, buffer, fd), the first on this thread and the rest on the chunk readers."""

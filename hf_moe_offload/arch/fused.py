@@ -65,6 +65,7 @@ class Family:
     renames: tuple[tuple[str, str], ...] = ()        # (checkpoint, in-memory) module path renames
     fused_renames: tuple[tuple[str, str], ...] = ()  # (checkpoint key, in-memory key) of fused tensors
     refused: str | None = None                       # why its experts layout is not supported, or None
+    interleaved: tuple[str, ...] = ()                # fused gate_up checkpoint keys with rows (gate 0, up 0, ...)
 
     @property
     def supported(self) -> bool:
@@ -101,17 +102,17 @@ def _refusal(cls_name: str, flags: dict[str, bool]) -> str | None:
     return None if not wrong else f"{cls_name} has {', '.join(wrong)}"
 
 
-def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tuple, tuple]:
-    """Per-expert names, module renames and fused-key renames of `model_type`, from transformers' checkpoint
-    conversion mapping (what its own loader applies to Hub checkpoints)."""
+def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tuple, tuple, tuple]:
+    """Per-expert names, module renames, fused-key renames and interleaved fused gate_up keys of `model_type`, from
+    transformers' checkpoint conversion mapping (what its own loader applies to Hub checkpoints)."""
     try:
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         conversions = get_checkpoint_conversion_mapping(model_type) or []
     except Exception:   # noqa: BLE001  (an older transformers: fall back to the known names)
-        return None, (), ()
+        return None, (), (), ()
     gate_up: list[str] = []
     down: list[str] = []
-    renames, fused = [], []
+    renames, fused, interleaved = [], [], []
     for conv in conversions:
         if type(conv).__name__ == "WeightConverter":    # per-expert keys merged into one fused tensor
             target = re.sub(r"\\(.)", r"\1", conv.target_patterns[0])
@@ -121,6 +122,10 @@ def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tup
                 gate_up = names
             elif target.endswith("experts.down_proj") and len(names) == 1:
                 down = names
+            elif target.endswith("experts.gate_up_proj") and _deinterleaves_rows(conv) \
+                    and (source := _unescape(conv.source_patterns[0])) is not None:
+                fused.append((source, target))             # Inkling-2's w13_weight: (gate 0, up 0, gate 1, ...)
+                interleaved.append(source)
             continue
         if len(conv.source_patterns) != 1 or len(conv.target_patterns) != 1:
             continue
@@ -131,8 +136,19 @@ def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tup
             fused.append((source, target))                 # a fused tensor under a legacy name (Granite-MoE)
         elif source.startswith(".") and source.endswith(".") and target.endswith("."):
             renames.append((source, target))               # a module path rename such as .block_sparse_moe. -> .mlp.
+        elif source.startswith("model.") and source.endswith(".") and target.startswith("model.") \
+                and target.endswith("."):
+            renames.append((source, target))               # a prefix rename such as model.llm. -> model.
     names = (gate_up[0], gate_up[1], down[0]) if gate_up and down else None
-    return names, tuple(renames), tuple(fused)
+    return names, tuple(renames), tuple(fused), tuple(interleaved)
+
+
+def _deinterleaves_rows(conv) -> bool:
+    """Whether the converter `conv` only turns one fused [E, 2I, H] tensor whose rows alternate gate, up into gate
+    rows first (transformers' `Interleave(dim=1)`): the store can undo that per expert as it reads."""
+    ops = getattr(conv, "operations", ())
+    return len(conv.source_patterns) == 1 and len(ops) == 1 and type(ops[0]).__name__ == "Interleave" \
+        and getattr(ops[0], "dim", None) == 1 and not getattr(ops[0], "inverse", True)
 
 
 def _modeling_module(model_type: str):
@@ -161,10 +177,10 @@ def discover_family(model_type: str) -> Family | None:
                if inspect.isclass(c) and c.__module__ == module.__name__ and experts_flags(c) is not None]
     if not classes:
         return None
-    names, renames, fused = _checkpoint_names(model_type)
+    names, renames, fused, interleaved = _checkpoint_names(model_type)
     refused = [r for n, flags in classes if (r := _refusal(n, flags))]
     family = _SEEN[model_type] = Family(model_type, tuple(n for n, _ in classes), names, renames, fused,
-                  refused="; ".join(refused) if len(refused) == len(classes) else None)
+                  refused="; ".join(refused) if len(refused) == len(classes) else None, interleaved=interleaved)
     return family
 
 
@@ -266,13 +282,16 @@ class FusedExpertsArch(MoEArch):
         families = _families_seen()
         renames = tuple(dict.fromkeys(r for f in families for r in f.renames))
         fused_renames = tuple(dict.fromkeys(r for f in families for r in f.fused_renames))
+        interleaved = tuple(dict.fromkeys(k for f in families for k in f.interleaved))
         name_sets = tuple(dict.fromkeys([f.expert_names for f in families if f.expert_names]
                                         + list(_KNOWN_EXPERT_NAMES)))
         for prefix in checkpoint_key_candidates(name, renames):
             for gate_up_key, down_key in _fused_candidates(prefix, fused_renames):
                 if gate_up_key in index and down_key in index:
-                    return [weight_piece(index, "gate_up", 0, gate_up_key, expert),
-                            weight_piece(index, "down", 0, down_key, expert)]
+                    gate_up = weight_piece(index, "gate_up", 0, gate_up_key, expert)
+                    if gate_up_key.endswith(interleaved):   # rows (gate 0, up 0, ...): the store de-interleaves
+                        gate_up = dataclasses.replace(gate_up, interleaved=True)
+                    return [gate_up, weight_piece(index, "down", 0, down_key, expert)]
             for gate, up, down in name_sets:
                 keys = [f"{prefix}.{expert}.{n}.weight" for n in (gate, up, down)]
                 if all(k in index for k in keys):
