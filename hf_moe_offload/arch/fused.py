@@ -127,6 +127,12 @@ def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tup
                 fused.append((source, target))             # Inkling-2's w13_weight: (gate 0, up 0, gate 1, ...)
                 interleaved.append(source)
             continue
+        if type(conv).__name__ == "PrefixChange" and getattr(conv, "model_prefix", ""):
+            # A composite's text model loaded from the composite checkpoint: model.language_model. -> model.
+            inner = f"{conv.model_prefix}.{conv.prefix_to_remove or conv.prefix_to_add}."
+            outer = f"{conv.model_prefix}."
+            renames.append((inner, outer) if conv.prefix_to_remove else (outer, inner))
+            continue
         if len(conv.source_patterns) != 1 or len(conv.target_patterns) != 1:
             continue
         source, target = _unescape(conv.source_patterns[0]), _unescape(conv.target_patterns[0])
