@@ -58,6 +58,7 @@ TOWERS = {
     "qwen4_exp": dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                                          out_hidden_size=32, num_position_embeddings=16)),
 }
+TOWERS["qwen3_5_moe"] = TOWERS["qwen4_exp"]      # the same vision tower
 OVERRIDES["dots3_note"], OVERRIDES["qwen4_exp"] = OVERRIDES["dots3_note_text"], OVERRIDES["qwen4_exp_text"]
 # Families whose tiny model cannot be built here, and why (none today).
 SKIP: dict[str, str] = {}
