@@ -198,9 +198,12 @@ def _extras(router: nn.Module, block: nn.Module | None) -> tuple[Callable[[], tu
         return (lambda: ()), [], None
     names = []
     for p in params:
-        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) or p.default is not p.empty:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
             break
-        if block is None or not isinstance(getattr(block, p.name, None), torch.Tensor):
+        held = block is not None and isinstance(getattr(block, p.name, None), torch.Tensor)
+        if p.default is not p.empty and not held:
+            break                       # optional and not held by the block (LFM2-MoE passes its expert_bias)
+        if not held:
             return (lambda: ()), [], f"its forward takes {p.name!r}, which its MoE block does not hold"
         names.append(p.name)
     getters = [_live(block, n) for n in names]
