@@ -89,10 +89,16 @@ def tiny_model(model_type: str):
     """A random model of `tiny_config(model_type)`; for a composite family (`TOWERS`) the whole vision + text
     model, whose checkpoint is laid out as the family's published ones."""
     if model_type not in TOWERS:
-        return AutoModelForCausalLM.from_config(tiny_config(model_type))
-    composite = type(AutoConfig.for_model(model_type))(text_config=tiny_config(model_type).to_dict(),
-                                                       **TOWERS[model_type])
-    return AutoModelForImageTextToText.from_config(composite)
+        model = AutoModelForCausalLM.from_config(tiny_config(model_type))
+    else:
+        composite = type(AutoConfig.for_model(model_type))(text_config=tiny_config(model_type).to_dict(),
+                                                           **TOWERS[model_type])
+        model = AutoModelForImageTextToText.from_config(composite)
+    with torch.no_grad():     # routers initialised to zero (AFMoE) would send every token to the same experts
+        for name, p in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and not p.any():
+                p.normal_(0.0, 0.02)
+    return model
 
 
 FUSED = sorted(t for t, f in discover_families().items() if f.supported)
