@@ -16,6 +16,19 @@ from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, MixtralCo
 
 import hf_moe_offload  # noqa: F401  (installs the offload_policy keyword)
 
+
+@pytest.fixture(autouse=True, scope="session")
+def _private_cache_dir(tmp_path_factory):
+    """Machine profiles and quantized folders go to a folder of this run, not the user's cache: a profile cached
+    there would make offload_policy="auto" plan differently, and tests must not fill it with quantized experts."""
+    previous = os.environ.get("HF_MOE_OFFLOAD_CACHE")
+    os.environ["HF_MOE_OFFLOAD_CACHE"] = str(tmp_path_factory.mktemp("hf_moe_offload_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("HF_MOE_OFFLOAD_CACHE", None)
+    else:
+        os.environ["HF_MOE_OFFLOAD_CACHE"] = previous
+
 VOCAB = 96
 COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               max_position_embeddings=128, pad_token_id=0, bos_token_id=1, eos_token_id=2,
