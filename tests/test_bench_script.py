@@ -160,7 +160,11 @@ def test_bound_is_computed_and_within_what_the_tiny_run_allows(tiny_run):
     assert ours["bound"]["must_move_bytes_per_step"] == ours["floor_bytes_per_step"]
     assert ours["vs_accelerate"] == pytest.approx(ours["decode_tok_s"] / accelerate["decode_tok_s"])
     table = bench.markdown_table(report["results"])
-    assert "| bound tok/s | decode / bound | vs accelerate |" in table and "| disk / floor |" in table
+    assert "| bound tok/s | decode / bound | decode / bound at median bw | vs accelerate |" in table
+    assert "| disk / floor | disk busy | GB/s while busy |" in table
+    busy = ours["ours"]["decode"]
+    assert 0 < busy["read_busy_share"] <= 1.05 and busy["read_clock_bytes"] == busy["bytes_to_device"]
+    assert ours["bound"]["decode_over_median_bound"] >= ours["bound"]["decode_over_bound"]
 
 
 def test_resident_set_floor_on_a_hand_made_example():
