@@ -60,6 +60,9 @@ class Footprint:
     experts_device: str | None = None
     resident_device: str | None = None
     layer_experts: tuple[int, ...] = ()   # experts per MoE layer, forward order (resident_layers' budget)
+    # Why CPU attention (hf_moe_offload.attention) cannot serve this model, or None if it can: attention="auto"
+    # then never picks it.
+    cpu_attention_refusal: str | None = None
 
     @property
     def min_cache_bytes(self) -> int:
@@ -159,10 +162,13 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     store, why_store = _store(policy, device, fp)
     batch, seq_len = _workload(policy, fp)
     zero_copy = device.type == "cpu" and store == "cpu"
-    if policy.expert_cache == AUTO:
-        cache = fp.expert_bytes if zero_copy else _auto_cache(device, fp, batch, seq_len)
+    given = None if policy.expert_cache == AUTO else _given_cache(policy.expert_cache, fp, zero_copy)
+    attention = _attention(policy, device, fp, batch, seq_len, given)
+    if given is None:
+        cache = fp.expert_bytes if zero_copy else _auto_cache(device, fp, batch, seq_len,
+                                                              kv_on_device=attention != "cpu")
     else:
-        cache = _given_cache(policy.expert_cache, fp, zero_copy)
+        cache = given
     cache = min(cache, fp.expert_bytes)
     # expert_compute and resident_layers (placement.py): the resident layers' budget; "cpu" needs no working set.
     cache = check_placement(policy, fp.layer_experts, fp.slab_bytes, fp.top_k, cache, zero_copy)
@@ -172,7 +178,8 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
                           f"{format_bytes(fp.min_cache_bytes)}; use at least expert_cache={fp.min_cache_bytes}")
     window = DEFAULT_STREAM_WINDOW if policy.stream_window == AUTO else policy.stream_window
     resolved = dataclasses.replace(policy, device=str(device), store=store, expert_cache=cache,
-                                   max_batch_size=batch, max_seq_len=seq_len, stream_window=window)
+                                   max_batch_size=batch, max_seq_len=seq_len, stream_window=window,
+                                   attention=attention)
     from .planner import plan_for_policy   # the cost model picks the "auto" performance fields (issue 9)
     resolved = plan_for_policy(policy, resolved, fp)
     if auto_fields:
@@ -227,11 +234,44 @@ def _short(value: Any, limit: int = 40) -> str:
     return text if len(text) <= limit else f"{text[:12]}... ({len(text)} characters)"
 
 
-def _auto_cache(device: torch.device, fp: Footprint, batch: int, seq_len: int) -> int:
+def _auto_cache(device: torch.device, fp: Footprint, batch: int, seq_len: int, kv_on_device: bool = True) -> int:
     """Memory on `device` after offloading, less the resident part still to place there and the headroom."""
+    return max(0, _room(device, fp) - _headroom(device, fp, batch, seq_len, kv_on_device))
+
+
+def _room(device: torch.device, fp: Footprint) -> int:
+    """Memory on `device` once the experts are offloaded and the resident part is placed."""
     reclaimed = fp.expert_bytes if _is(fp.experts_device, device) else 0
     to_place = 0 if _is(fp.resident_device, device) else fp.resident_bytes
-    return max(0, _free_bytes(device) + reclaimed - to_place - _headroom(device, fp, batch, seq_len))
+    return _free_bytes(device) + reclaimed - to_place
+
+
+def _attention(policy: OffloadPolicy, device: torch.device, fp: Footprint, batch: int, seq_len: int,
+               given_cache: int | None) -> str:
+    """attention="auto": "cpu" on a GPU whose memory cannot hold the KV cache of `batch` x `seq_len` beside the
+    resident part, the activations and the expert cache (the given budget, else one layer's top-k: the least that
+    runs); "device" otherwise, and always on the CPU device (attention runs there already)."""
+    if policy.attention != AUTO:
+        return policy.attention
+    if device.type != "cuda":
+        return "device"
+    kv = batch * seq_len * fp.kv_bytes_per_token
+    left = _room(device, fp) - batch * seq_len * fp.activation_bytes_per_token - CUDA_HEADROOM_FLOOR \
+        - (fp.min_cache_bytes if given_cache is None else given_cache)
+    if kv <= left:
+        return "device"
+    if fp.cpu_attention_refusal is not None:
+        logger.info("hf_moe_offload auto policy: the KV cache (%s for max_batch_size=%d x max_seq_len=%d) does not "
+                    "fit %s (%s left), and CPU attention cannot serve this model (%s): attention stays on the "
+                    "device", format_bytes(kv), batch, seq_len, device, format_bytes(max(left, 0)),
+                    fp.cpu_attention_refusal)
+        return "device"
+    logger.info("hf_moe_offload auto policy: attention=cpu: the KV cache (%s for max_batch_size=%d x max_seq_len=%d) "
+                "does not fit %s (%s left beside the resident part and the expert cache); keys and values live in "
+                "host memory and decode attention runs on the CPU (MoE-Lightning). Set attention='device' and a "
+                "smaller max_batch_size to keep it on the GPU", format_bytes(kv), batch, seq_len, device,
+                format_bytes(max(left, 0)))
+    return "cpu"
 
 
 def _is(where: str | None, device: torch.device) -> bool:
@@ -245,10 +285,11 @@ def _free_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available * (1 - HOST_HEADROOM))
 
 
-def _headroom(device: torch.device, fp: Footprint, batch: int, seq_len: int) -> int:
-    """Bytes left free for `batch` x `seq_len` tokens (KV cache and activations), plus the CUDA floor; logged."""
+def _headroom(device: torch.device, fp: Footprint, batch: int, seq_len: int, kv_on_device: bool = True) -> int:
+    """Bytes left free for `batch` x `seq_len` tokens (KV cache unless it lives in host memory, and activations),
+    plus the CUDA floor; logged."""
     tokens = batch * seq_len
-    kv = tokens * fp.kv_bytes_per_token
+    kv = tokens * fp.kv_bytes_per_token if kv_on_device else 0
     activations = tokens * fp.activation_bytes_per_token
     floor = CUDA_HEADROOM_FLOOR if device.type == "cuda" else 0   # on the CPU, HOST_HEADROOM's share covers it
     logger.info("hf_moe_offload: headroom on %s %s = KV cache %s (max_batch_size=%d x max_seq_len=%d x %s per "

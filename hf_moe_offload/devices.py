@@ -323,7 +323,10 @@ def _budgets(policy: OffloadPolicy, fp: Footprint, primary: torch.device, layers
              logical_map: Mapping[str, str], skeleton: nn.Module, dtype: torch.dtype,
              default: str) -> tuple[ResolvedPolicy, dict[str, int]]:
     """Resolve the policy for `primary` and give each cache device its share of the budget, checked."""
-    resolved = resolve(dataclasses.replace(policy, device=str(primary)), fp)
+    # attention="auto" keeps attention on the devices of the map: CPU attention next to a device map is the
+    # user's explicit choice (attention="cpu"), its host KV cache is not split by the map's budgets.
+    attention = "device" if policy.attention == AUTO else policy.attention
+    resolved = resolve(dataclasses.replace(policy, device=str(primary), attention=attention), fp)
     store = resolved.policy.store
     cache_devices = list(dict.fromkeys(layer_devices))
     in_place = {d for d in cache_devices if physical[d].type == "cpu" and store == "cpu"}   # zero-copy: no share

@@ -241,7 +241,19 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
         slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
         experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k,
-                     layer_experts=tuple(lay.num_experts for lay in layers), **sequence_costs(model.config, dtype))
+                     layer_experts=tuple(lay.num_experts for lay in layers), **sequence_costs(model.config, dtype),
+                     cpu_attention_refusal=_cpu_attention_refusal(model))
+
+
+def _cpu_attention_refusal(model: nn.Module) -> str | None:
+    """Why CPU attention cannot serve `model` (attention="auto" then keeps it on the device), or None."""
+    from .attention import check_cpu_attention
+
+    try:
+        check_cpu_attention(model)
+    except PolicyError as err:
+        return str(err)
+    return None
 
 
 SUPPORTED_CHECKPOINT_QUANTIZATION = ("fine-grained FP8 (quant_method='fp8' with weight_block_size [rows, cols], "

@@ -27,7 +27,7 @@ EVICTIONS = ("lru", "lfu", "layer", "lookahead")
 PREFETCHERS = ("auto", "none", "hash", "lookahead")
 QUANTIZATIONS = ("none", "int8", "int4")
 EXPERT_COMPUTES = ("device", "cpu", "auto")
-ATTENTIONS = ("device", "cpu")   # where attention runs and the KV cache lives (hf_moe_offload.attention)
+ATTENTIONS = ("auto", "device", "cpu")   # where attention runs and the KV cache lives (hf_moe_offload.attention)
 DEFAULT_INT4_GROUP_SIZE = 64     # quant_group_size="auto" for int4 (int8 is scaled per output channel)
 ROUTINGS = ("router", "predicted")
 SCHEDULES = ("auto", "on_demand", "stream")
@@ -161,12 +161,14 @@ class OffloadPolicy:
                           "throughput say is faster: few tokens on the CPU, many copied)."},
     )
     attention: str = field(
-        default="device",
-        metadata={"help": 'Where attention runs and its KV cache lives: "device" (default: the model\'s own '
-                          'attention implementation, KV cache on the device) or "cpu" (MoE-Lightning, FlexGen: keys '
-                          "and values in (pinned) host memory, attention on the CPU, only the query and output cross "
-                          "PCIe; the batch is then limited by host memory, not device memory). Decoder-only models; "
-                          "generate_batch is refused with it. Exact within float tolerance."},
+        default=AUTO,
+        metadata={"help": 'Where attention runs and its KV cache lives: "device" (the model\'s own attention '
+                          'implementation, KV cache on the device), "cpu" (MoE-Lightning, FlexGen: keys and values '
+                          "in (pinned) host memory, attention on the CPU, only the query and output cross PCIe; the "
+                          "batch is then limited by host memory, not device memory; decoder-only models; "
+                          'generate_batch is refused with it; exact within float tolerance) or "auto" (default: '
+                          '"cpu" on a GPU when the KV cache of max_batch_size x max_seq_len does not fit the device '
+                          'beside the resident part and the expert cache, else "device").'},
     )
     resident_layers: int | str = field(
         default=0,

@@ -125,10 +125,69 @@ def test_generate_batch_refused_with_reason(tiny_models):
 
 
 def test_bad_attention_value_refused():
-    with pytest.raises(PolicyError, match=r"attention='gpu' is not allowed; allowed: \['device', 'cpu'\]"):
+    with pytest.raises(PolicyError, match=r"attention='gpu' is not allowed; allowed: \['auto', 'device', 'cpu'\]"):
         OffloadPolicy.from_any({"attention": "gpu"})
     assert OffloadPolicy.from_any({"attention": "cpu"}).attention == "cpu"
-    assert OffloadPolicy().attention == "device"
+    assert OffloadPolicy().attention == "auto"
+
+
+GiB = 1 << 30
+
+
+def _on_a_gpu(monkeypatch, free_bytes: int):
+    """resolve() as on a GPU with `free_bytes` free (this machine has none: the device and its memory are faked)."""
+    from hf_moe_offload import auto
+
+    monkeypatch.setattr(auto, "normalize_device", lambda device: torch.device(device))
+    monkeypatch.setattr(auto, "_free_bytes", lambda device: free_bytes if device.type == "cuda" else 64 * GiB)
+    return auto
+
+
+def _footprint(**changes):
+    from hf_moe_offload.auto import Footprint
+
+    # Mixtral-8x7B-like sizes: 8 x 32 experts of 336 MiB, a 3 GiB resident part, 128 KiB of KV per token.
+    base = dict(expert_bytes=256 * (336 << 20), slab_bytes=336 << 20, resident_bytes=3 * GiB, top_k=2,
+                kv_bytes_per_token=128 << 10, activation_bytes_per_token=16 << 10, max_positions=32768)
+    return Footprint(**{**base, **changes})
+
+
+@pytest.mark.parametrize("batch, expected", [(1, "device"), (256, "cpu")])
+def test_auto_attention_moves_to_the_cpu_when_the_kv_cache_cannot_fit_the_gpu(monkeypatch, batch, expected):
+    """16 GiB free: one sequence of 2048 tokens needs 256 MiB of KV and stays on the GPU; 256 need 64 GiB, so the
+    keys and values go to host memory and the GPU's memory goes to the expert cache instead."""
+    auto = _on_a_gpu(monkeypatch, 16 * GiB)
+    policy = OffloadPolicy(device="cuda:0", store="cpu", max_batch_size=batch, max_seq_len=2048)
+    resolved = auto.resolve(policy, _footprint())
+    assert resolved.policy.attention == expected
+    kv = batch * 2048 * (128 << 10)
+    activations = batch * 2048 * (16 << 10)
+    room = 16 * GiB - 3 * GiB - activations - auto.CUDA_HEADROOM_FLOOR
+    assert resolved.cache_bytes == (room if expected == "cpu" else room - kv)   # host KV: no device headroom
+
+
+def test_auto_attention_keeps_the_device_when_the_user_or_the_model_says_so(monkeypatch):
+    auto = _on_a_gpu(monkeypatch, 16 * GiB)
+    big = dict(device="cuda:0", store="cpu", max_batch_size=64, max_seq_len=2048, expert_cache="8GiB")
+    assert auto.resolve(OffloadPolicy(**big), _footprint()).policy.attention == "cpu"
+    assert auto.resolve(OffloadPolicy(**big, attention="device"), _footprint()).policy.attention == "device"
+    refused = _footprint(cpu_attention_refusal="an encoder-decoder model")
+    assert auto.resolve(OffloadPolicy(**big), refused).policy.attention == "device"
+    on_cpu = dict(big, device="cpu", store="disk")
+    assert auto.resolve(OffloadPolicy(**on_cpu), _footprint()).policy.attention == "device"
+
+
+def test_auto_attention_resolves_at_load_and_knows_which_models_it_can_serve(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%")
+    assert hf_moe_offload.get_engine(model).policy.attention == "device"     # the CPU device: nothing to move
+    from hf_moe_offload.arch import get_arch
+    from hf_moe_offload.loading import footprint
+
+    for family, refused in (("mixtral", False), ("switch_transformers", True)):
+        reference_model = reference(family, tiny_models[family])
+        layers = get_arch(reference_model.config).find_layers(reference_model)
+        fp = footprint(reference_model, layers, torch.float32)
+        assert (fp.cpu_attention_refusal is not None) == refused
 
 
 def test_encoder_decoder_refused_before_loading(tiny_models):
