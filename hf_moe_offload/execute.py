@@ -49,6 +49,12 @@ def expert_linear(x: torch.Tensor, weight) -> torch.Tensor:
     return weight.linear(x)
 
 
+def _matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x @ weight` for a transposed ([in, out]) expert weight, as transformers computes `is_transposed` experts;
+    such layouts are `MatmulSlabLayout`s, so the weight is never quantized."""
+    return x @ weight
+
+
 def weights_device(weights: dict) -> torch.device:
     """Where an expert's weights are: the compute device, or the host for an expert computed on the CPU
     (`expert_compute="cpu"`/`"auto"`); its tokens go there and its output comes back."""
@@ -89,6 +95,10 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
                               top_k_weights: torch.Tensor) -> torch.Tensor:
     """`ExpertsInterface` function for fused experts (`self` is e.g. a `MixtralExperts` whose weights are offloaded).
 
+    The module's layout flags decide the math, as in transformers' own implementations: `is_transposed` weights
+    ([in, out], Aria) are used as `x @ W`, others through `F.linear`; without a gate (`has_gate=False`, Nemotron-H)
+    the slab's `up` part goes through the module's `act_fn` alone instead of `_apply_gate`.
+
     Results are written per (token, slot) and summed over the k slots at the end, like transformers' grouped_mm,
     so the order in which experts arrive does not change the numbers.
     """
@@ -103,14 +113,19 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
 
     out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
     tokens = [rows.numel() for rows in rows_of.values()]          # what expert_compute="auto" weighs
+    gated = getattr(self, "has_gate", True)
+    project = _matmul if getattr(self, "is_transposed", False) else expert_linear
     with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of), hidden_states, tokens)) as fetched:
         weighted = hidden_states.new_empty(num_tokens * k, hidden, dtype=out_dtype)   # [T*k, H], every row written
         for expert, weights in fetched:
             rows = rows_of[expert]                                # [n] rows of this expert
             x = hidden_states[rows // k]                          # [n, H]
             where = weights_device(weights)
-            h = self._apply_gate(expert_linear(x.to(where), weights["gate_up"]))   # [n, I]
-            y = expert_linear(h, weights["down"]).to(weighted.device)             # [n, H]
+            if gated:
+                h = self._apply_gate(project(x.to(where), weights["gate_up"]))   # [n, I]
+            else:
+                h = self.act_fn(project(x.to(where), weights["up"]))             # [n, I]
+            y = project(h, weights["down"]).to(weighted.device)                 # [n, H]
             weighted[rows] = y * flat_weights[rows, None]
         out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)   # [T, H]
     return _refuse_backward(out, hidden_states)
@@ -154,7 +169,7 @@ class OffloadedSwitchExperts(nn.Module):
 @dataclass(frozen=True)
 class MatmulSlabLayout(SlabLayout):
     """The slab of an expert whose weights are used as `x @ weight` (transposed against `F.linear`'s [out, in]) or
-    added (biases): GPT-OSS, DBRX, Llama-4. int8/int4 quantization packs [out, in] matrices for `F.linear`, so it
+    added (biases): GPT-OSS, DBRX, Llama-4, and fused experts with `is_transposed=True` (Aria). int8/int4 quantization packs [out, in] matrices for `F.linear`, so it
     does not apply; `quantize_refusal` is the message `QuantizedSlabLayout.build` raises instead.
 
     Example:

@@ -4,10 +4,12 @@ below (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4-MoE, Phi-MoE, Granite-
 discovered from transformers' own code (`discover_families`), not hand-listed; `FAMILIES` keeps the entries that
 work without importing any modeling module.
 
-In memory: `gate_up_proj [E, 2I, H]` (gate rows first, then up) and `down_proj [E, H, I]`, no bias, not transposed.
-On disk (Hub layout): per-expert `gate/up/down` keys under family-specific names (read off transformers'
-checkpoint conversion mapping), fused keys under a legacy name (Granite-MoE's `input_linear`/`output_linear`), or
-the fused keys themselves. The offloaded forward is registered as the experts implementation "hf_moe_offload";
+In memory: `gate_up_proj [E, 2I, H]` (gate rows first, then up) and `down_proj [E, H, I]`, no bias; or transposed
+(`is_transposed=True`, Aria: `gate_up_proj [E, H, 2I]`, `down_proj [E, I, H]`, kept so in the slab and computed as
+`x @ W`); or without a gate (`has_gate=False`, Nemotron-H: `up_proj [E, I, H]`, `down_proj [E, H, I]`, the
+module's `act_fn` on `up` alone). On disk (Hub layout): per-expert `gate/up/down` (or `up/down`) keys under
+family-specific names (read off transformers' checkpoint conversion mapping), fused keys under a legacy name
+(Granite-MoE's `input_linear`/`output_linear`, Aria's `fc1`/`fc2`), or the fused keys themselves. The offloaded forward is registered as the experts implementation "hf_moe_offload";
 attaching selects it.
 """
 
@@ -24,12 +26,15 @@ import torch
 from torch import nn
 
 from ..checkpoint import CheckpointError, CheckpointIndex
-from ..execute import EXPERTS_IMPLEMENTATION
+from ..execute import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, matmul_refusal
 from .routing import kind_of, replacement_output, router_kind
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, checkpoint_key_candidates, \
     register_arch, release_parameter, restore_parameter, weight_piece
 
 logger = logging.getLogger(__name__)
+
+# slab part -> the experts module's parameter (a gated module has gate_up, a gateless one up; both have down)
+_PARAMS = {"gate_up": "gate_up_proj", "up": "up_proj", "down": "down_proj"}
 
 _PREVIOUS_IMPL = "_hf_moe_offload_previous_experts_implementation"
 
@@ -40,8 +45,10 @@ _KNOWN_EXPERT_NAMES = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2")
 _TOP_K_ATTRS = ("num_experts_per_tok", "num_experts_per_token", "moe_k", "moe_topk", "top_k_experts",
                 "num_experts_per_token_routed", "top_k")
 _FLAGS = ("is_concatenated", "is_transposed", "has_bias", "has_gate", "has_post_expert_norm")
-_SUPPORTED_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
-                    "has_post_expert_norm": False}
+# Flags whose other value is refused (is_transposed and has_gate take either value: `FusedExpertsArch.layout`).
+_SUPPORTED_FLAGS = {"is_concatenated": True, "has_bias": False, "has_post_expert_norm": False}
+_DEFAULT_FLAGS = {"is_concatenated": True, "is_transposed": False, "has_bias": False, "has_gate": True,
+                  "has_post_expert_norm": False}     # use_experts_implementation's defaults
 _FLAG_REASONS = {"is_concatenated": "interleaved gate/up rows (is_concatenated=False)",
                  "is_transposed": "transposed weights (is_transposed=True)",
                  "has_bias": "biased experts (has_bias=True)",
@@ -61,7 +68,7 @@ class Family:
 
     model_type: str
     experts_classes: tuple[str, ...]                 # class names of its experts modules
-    expert_names: tuple[str, str, str] | None = None  # per-expert checkpoint names of (gate, up, down)
+    expert_names: tuple[str, ...] | None = None      # per-expert checkpoint names of (gate, up, down) or (up, down)
     renames: tuple[tuple[str, str], ...] = ()        # (checkpoint, in-memory) module path renames
     fused_renames: tuple[tuple[str, str], ...] = ()  # (checkpoint key, in-memory key) of fused tensors
     refused: str | None = None                       # why its experts layout is not supported, or None
@@ -111,6 +118,7 @@ def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tup
     except Exception:   # noqa: BLE001  (an older transformers: fall back to the known names)
         return None, (), (), ()
     gate_up: list[str] = []
+    up: list[str] = []          # a gateless family's (Nemotron-H) per-expert up projection
     down: list[str] = []
     renames, fused, interleaved = [], [], []
     for conv in conversions:
@@ -120,6 +128,8 @@ def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tup
             names = [m.group(1) for s in sources if (m := re.search(r"experts\.\*\.(\w+)\.weight$", s))]
             if target.endswith("experts.gate_up_proj") and len(names) == 2:
                 gate_up = names
+            elif target.endswith("experts.up_proj") and len(names) == 1:
+                up = names
             elif target.endswith("experts.down_proj") and len(names) == 1:
                 down = names
             elif target.endswith("experts.gate_up_proj") and _deinterleaves_rows(conv) \
@@ -142,10 +152,9 @@ def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tup
             fused.append((source, target))                 # a fused tensor under a legacy name (Granite-MoE)
         elif source.startswith(".") and source.endswith(".") and target.endswith("."):
             renames.append((source, target))               # a module path rename such as .block_sparse_moe. -> .mlp.
-        elif source.startswith("model.") and source.endswith(".") and target.startswith("model.") \
-                and target.endswith("."):
-            renames.append((source, target))               # a prefix rename such as model.llm. -> model.
-    names = (gate_up[0], gate_up[1], down[0]) if gate_up and down else None
+        elif re.fullmatch(r"\w+\.(\w+\.)*", source) and target.startswith("model.") and target.endswith("."):
+            renames.append((source, target))               # a prefix rename: model.llm. -> model., backbone. -> model.
+    names = (gate_up[0], gate_up[1], down[0]) if gate_up and down else (up[0], down[0]) if up and down else None
     return names, tuple(renames), tuple(fused), tuple(interleaved)
 
 
@@ -196,8 +205,8 @@ def discover_families() -> dict[str, Family]:
     supported or refused (`Family.refused` says why). Imports each candidate modeling module once (seconds).
 
     Example:
-        >>> discover_families()["aria_text"].refused              # doctest: +ELLIPSIS
-        'AriaExperts has transposed weights (is_transposed=True)'
+        >>> discover_families()["nemotron_h"].expert_names         # gateless: (up, down)
+        ('up_proj', 'down_proj')
     """
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     found = dict(FusedExpertsArch.FAMILIES_BY_TYPE)
@@ -264,15 +273,26 @@ class FusedExpertsArch(MoEArch):
         return experts_flags(type(module)) is not None
 
     def layout(self, module: nn.Module) -> SlabLayout:
-        if getattr(module, "is_transposed", False) or getattr(module, "has_bias", False) \
-                or not getattr(module, "has_gate", True) or getattr(module, "has_post_expert_norm", False) \
-                or not getattr(module, "is_concatenated", True):
-            raise UnsupportedModelError(f"{type(module).__name__} uses an experts layout hf_moe_offload does not "
-                                        f"support (transposed, biased, interleaved, gateless or post-normed "
-                                        f"experts); supported: gate_up_proj [E, 2I, H] gate rows first and "
-                                        f"down_proj [E, H, I], no bias")
-        _, two_i, h = module.gate_up_proj.shape
-        return SlabLayout(parts=(("gate_up", (two_i, h)), ("down", tuple(module.down_proj.shape[1:]))))
+        """One expert's slab, in the module's own orientation: `gate_up` (or `up` without a gate), then `down`.
+        Transposed weights ([in, out], Aria) stay so, which keeps the unpatched model's `x @ W` and `state_dict`;
+        their `MatmulSlabLayout` refuses int8/int4, whose kernels take [out, in].
+
+        Example:
+            >>> FusedExpertsArch().layout(model.model.layers[0].mlp.experts).parts      # doctest: +SKIP
+            (('gate_up', (96, 32)), ('down', (32, 48)))
+        """
+        flags = experts_flags(type(module)) or {f: bool(getattr(module, f, d)) for f, d in _DEFAULT_FLAGS.items()}
+        if (why := _refusal(type(module).__name__, flags)) is not None:
+            raise UnsupportedModelError(f"{why}, an experts layout hf_moe_offload does not support; supported: "
+                                        f"gate_up_proj [E, 2I, H] gate rows first (or up_proj without a gate) and "
+                                        f"down_proj [E, H, I], or all of them transposed, no bias, no post-expert "
+                                        f"norm")
+        first = "gate_up" if flags["has_gate"] else "up"
+        parts = ((first, tuple(getattr(module, _PARAMS[first]).shape[1:])), ("down", tuple(module.down_proj.shape[1:])))
+        if flags["is_transposed"]:
+            return MatmulSlabLayout(parts=parts, quantize_refusal=matmul_refusal(
+                type(module).__name__, "transposed weights [in, out], used as x @ W"))
+        return SlabLayout(parts=parts)
 
     def top_k(self, config) -> int:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
@@ -289,16 +309,28 @@ class FusedExpertsArch(MoEArch):
         renames = tuple(dict.fromkeys(r for f in families for r in f.renames))
         fused_renames = tuple(dict.fromkeys(r for f in families for r in f.fused_renames))
         interleaved = tuple(dict.fromkeys(k for f in families for k in f.interleaved))
-        name_sets = tuple(dict.fromkeys([f.expert_names for f in families if f.expert_names]
-                                        + list(_KNOWN_EXPERT_NAMES)))
+        first = layout.parts[0][0]                  # "gate_up", or "up" for a gateless module (Nemotron-H)
+        width = 3 if first == "gate_up" else 2
+        known = _KNOWN_EXPERT_NAMES if width == 3 else (("up_proj", "down_proj"),)
+        name_sets = tuple(dict.fromkeys([f.expert_names for f in families if f.expert_names
+                                         and len(f.expert_names) == width] + list(known)))
+        # Per-expert [out, in] tensors cannot fill a transposed slab (Aria's checkpoints are fused, as in memory).
+        if isinstance(layout, MatmulSlabLayout):
+            name_sets = ()
         for prefix in checkpoint_key_candidates(name, renames):
-            for gate_up_key, down_key in _fused_candidates(prefix, fused_renames):
+            fused_keys = _fused_candidates(prefix, fused_renames) if width == 3 \
+                else [(f"{prefix}.up_proj", f"{prefix}.down_proj")]
+            for gate_up_key, down_key in fused_keys:
                 if gate_up_key in index and down_key in index:
-                    gate_up = weight_piece(index, "gate_up", 0, gate_up_key, expert)
+                    gate_up = weight_piece(index, first, 0, gate_up_key, expert)
                     if gate_up_key.endswith(interleaved):   # rows (gate 0, up 0, ...): the store de-interleaves
                         gate_up = dataclasses.replace(gate_up, interleaved=True)
                     return [gate_up, weight_piece(index, "down", 0, down_key, expert)]
-            for gate, up, down in name_sets:
+            for up, down in (n for n in name_sets if width == 2):
+                keys = [f"{prefix}.{expert}.{n}.weight" for n in (up, down)]
+                if all(k in index for k in keys):
+                    return [weight_piece(index, "up", 0, keys[0]), weight_piece(index, "down", 0, keys[1])]
+            for gate, up, down in (n for n in name_sets if width == 3):
                 keys = [f"{prefix}.{expert}.{n}.weight" for n in (gate, up, down)]
                 if all(k in index for k in keys):
                     gate_piece = weight_piece(index, "gate_up", 0, keys[0])
@@ -306,23 +338,24 @@ class FusedExpertsArch(MoEArch):
                             weight_piece(index, "gate_up", gate_piece.source.shape[0], keys[1]),
                             weight_piece(index, "down", 0, keys[2])]
         raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked for "
-                              f"{checkpoint_key_candidates(name, renames)[0]}.{expert}.<gate>.weight with <gate> "
-                              f"one of {sorted({n[0] for n in name_sets})} and the fused gate_up_proj/down_proj "
-                              f"keys)")
+                              f"{checkpoint_key_candidates(name, renames)[0]}.{expert}.<{first}>.weight with "
+                              f"<{first}> one of {sorted({n[0] for n in name_sets})} and the fused "
+                              f"{_PARAMS[first]}/down_proj keys)")
 
     def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
-        return {"gate_up": module.gate_up_proj.data[expert], "down": module.down_proj.data[expert]}
+        return {part: getattr(module, _PARAMS[part]).data[expert] for part, _ in self.layout(module).parts}
 
     def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
-        for pname, part in (("gate_up_proj", "gate_up"), ("down_proj", "down")):
-            restore_parameter(module, pname, stacked[part])
+        for part, tensor in stacked.items():
+            restore_parameter(module, _PARAMS[part], tensor)
 
     def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {"gate_up_proj": stacked["gate_up"], "down_proj": stacked["down"]}
+        return {_PARAMS[part]: tensor for part, tensor in stacked.items()}
 
     def release_expert_params(self, module: nn.Module) -> None:
-        for pname in ("gate_up_proj", "down_proj"):
-            release_parameter(module, pname)
+        for pname in _PARAMS.values():
+            if pname in module._parameters:       # gate_up_proj or up_proj, and down_proj
+                release_parameter(module, pname)
 
     def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
         block = model.get_submodule(layer.name.rsplit(".", 1)[0])
