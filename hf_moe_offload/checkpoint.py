@@ -70,6 +70,20 @@ class BlockScales:
     block: tuple[int, int]
 
 
+# MXFP4 (GPT-OSS checkpoints): FP4 E2M1 codes, two per byte (low nibble first), in blocks of 32 values that share
+# one E8M0 exponent (uint8, bias 127; 255 is NaN in the OCP spec). The code -> value table is transformers'.
+MXFP4_BLOCK = 32
+FP4_VALUES = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+@dataclass(frozen=True)
+class Mxfp4Scales(BlockScales):
+    """The E8M0 exponents of one MXFP4 matrix: `source` holds `key` (`<name>_scales` [N, K/32] uint8 for the codes
+    `<name>_blocks` [N, K/32, 16] uint8, N output rows of K inputs); weight = FP4 value x 2^(exponent - 127). The
+    matrix is stored [out, in] and dequantized transposed, into the [in, out] the GPT-OSS experts compute with
+    (`read_mxfp4_into`). A `BlockScales` of block (1, 32), so it travels in `ExpertPiece.scales`."""
+
+
 class CheckpointIndex:
     """Every tensor of a (possibly sharded) safetensors checkpoint, from its headers.
 
@@ -139,6 +153,37 @@ class CheckpointIndex:
                                   f"{list(e.shape)} with weight_block_size {list(self.block_size)} needs one scale per "
                                   f"block: float32 (or bfloat16/float16) {list(want)}")
         return BlockScales(scale_key, self.locate(scale_key, row), self.block_size)
+
+    def mxfp4_scales(self, key: str, row: int | None = None) -> Mxfp4Scales:
+        """The exponents of the MXFP4 codes `key` (`<name>_blocks`, of `key[row]` for fused experts [E, ...]): the
+        tensor `<name>_scales`. Codes or exponents of the wrong dtype or shape, or missing exponents, are a
+        `CheckpointError` naming the tensor and what is expected: raised from the headers, before any read.
+
+        Example:
+            >>> index.mxfp4_scales("model.layers.0.mlp.experts.down_proj_blocks", row=3).key   # doctest: +SKIP
+            'model.layers.0.mlp.experts.down_proj_scales'
+        """
+        e = self.entries[key]
+        half = MXFP4_BLOCK // 2
+        lead = 1 if row is None else 2        # [N, K/32, 16], or [E, N, K/32, 16] with an expert row
+        if not key.endswith("_blocks"):
+            raise CheckpointError(f"{key} ({e.path}) is not MXFP4 codes: their tensors are named <name>_blocks")
+        if e.dtype != torch.uint8 or len(e.shape) != lead + 2 or e.shape[-1] != half:
+            raise CheckpointError(f"{key} in {e.path} is {e.dtype} {list(e.shape)}, but MXFP4 codes are uint8 "
+                                  f"[{'experts, ' if row is not None else ''}rows, blocks, {half}] (two 4-bit "
+                                  f"values per byte, {MXFP4_BLOCK} values per block)")
+        scale_key = key.removesuffix("_blocks") + "_scales"
+        want = list(e.shape[:-1])
+        if scale_key not in self.entries:
+            raise CheckpointError(f"checkpoint {self.root} has no {scale_key}: the MXFP4 codes {key} ({e.path}) need "
+                                  f"their exponents, a uint8 tensor of shape {want} (one per block of "
+                                  f"{MXFP4_BLOCK} values)")
+        s = self.entries[scale_key]
+        if s.dtype != torch.uint8 or list(s.shape) != want:
+            raise CheckpointError(f"{scale_key} in {s.path} is {s.dtype} {list(s.shape)}, but the MXFP4 codes {key} "
+                                  f"{list(e.shape)} need one E8M0 exponent per block of {MXFP4_BLOCK} values: "
+                                  f"uint8 {want}")
+        return Mxfp4Scales(scale_key, self.locate(scale_key, row), (1, MXFP4_BLOCK))
 
 
 def _shard_files(root: str) -> list[str]:
@@ -330,6 +375,49 @@ def dequantize_blocks(q: torch.Tensor, scale: torch.Tensor, block: tuple[int, in
     for i in range(cols.shape[0]):
         rows = slice(i * bn, min((i + 1) * bn, n))
         out[rows].copy_(q[rows].to(torch.float32).mul_(cols[i]))
+
+
+def read_mxfp4_into(rng: ByteRange, scales: Mxfp4Scales, dst: torch.Tensor, fd: int, scale_fd: int,
+                    bounce: torch.Tensor | None = None) -> None:
+    """Fill `dst` ([K, N] CPU tensor in the model dtype) with the MXFP4 matrix at `rng` (codes [N, K/32, 16])
+    dequantized by its exponents `scales` (read from `scale_fd`) and transposed: the arithmetic of transformers'
+    `convert_moe_packed_tensors` (its `Mxfp4Config(dequantize=True)` load), so the result is the same bits. An
+    exponent of 255 (NaN in E8M0) is a `CheckpointError` naming its tensor.
+
+    Example:
+        >>> read_mxfp4_into(codes, index.mxfp4_scales(key, row=3), slab_part, fd, fd, bounce=scratch)  # doctest: +SKIP
+    """
+    if bounce is None or bounce.numel() < rng.nbytes:
+        bounce = torch.empty(rng.nbytes, dtype=torch.uint8)
+    raw = bounce[:rng.nbytes]
+    _pread_exact(rng, memoryview(raw.numpy()), fd)
+    exponents = torch.empty(scales.source.shape, dtype=torch.uint8)
+    _pread_exact(scales.source, memoryview(exponents.reshape(-1).numpy()), scale_fd)
+    if bool((exponents == 255).any()):
+        raise CheckpointError(f"{scales.key} in {scales.source.path} holds the exponent 255 (NaN in MXFP4's E8M0): "
+                              f"the checkpoint is corrupt")
+    dequantize_mxfp4(raw.view(rng.shape), exponents, dst)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, exponents: torch.Tensor, out: torch.Tensor) -> None:
+    """`out` [K, N] = the transpose of the MXFP4 matrix with codes `blocks` [N, K/32, 16] (uint8, low nibble first)
+    and E8M0 `exponents` [N, K/32]: FP4 value x 2^(exponent - 127), computed in `out.dtype` by the same operations
+    as transformers' `_convert_moe_packed_tensors` (table lookup in that dtype, then `torch.ldexp`).
+
+    Example:
+        >>> out = torch.empty(32, 1)
+        >>> dequantize_mxfp4(torch.full((1, 1, 16), 0x72, dtype=torch.uint8), torch.tensor([[128]], dtype=torch.uint8), out)
+        >>> out[:2, 0].tolist()      # codes 2 (1.0) then 7 (6.0), x 2^1
+        [2.0, 12.0]
+    """
+    n, groups, half = blocks.shape
+    lut = torch.tensor(FP4_VALUES, dtype=out.dtype)
+    codes = blocks.reshape(n * groups, half)
+    values = torch.empty(n * groups, 2 * half, dtype=out.dtype)
+    values[:, 0::2] = lut[(codes & 0x0F).to(torch.int)]
+    values[:, 1::2] = lut[(codes >> 4).to(torch.int)]
+    torch.ldexp(values, exponents.reshape(n * groups, 1).to(torch.int32) - 127, out=values)
+    out.copy_(values.view(n, groups * 2 * half).T)
 
 
 def split_range(rng: ByteRange, chunk_bytes: int) -> list[tuple[ByteRange, int]]:

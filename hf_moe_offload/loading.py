@@ -12,6 +12,10 @@ Fine-grained FP8 checkpoints (`quantization_config` with quant_method "fp8" and 
 loads the non-expert part dequantized to the model dtype (its `dequantize=True` load, forced here so a GPU machine
 does the same), and each expert's FP8 matrices and block scales are located per expert and dequantized by the store
 as they are read: the engine sees ordinary dense slabs.
+
+MXFP4 GPT-OSS checkpoints (openai/gpt-oss-20b, -120b: quant_method "mxfp4") go the same way: transformers loads the
+non-expert part with `Mxfp4Config(dequantize=True)` (forced), and each expert's codes and exponents are read and
+dequantized into the dense slab by the store. MXFP4 on any other model type stays refused.
 """
 
 from __future__ import annotations
@@ -93,6 +97,8 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     del skeleton
     if block_size is not None:
         kwargs["quantization_config"] = _dequantizing_fp8_config(config, kwargs.get("quantization_config"))
+    elif checkpoint_is_mxfp4(config):
+        kwargs["quantization_config"] = _dequantizing_mxfp4_config(config, kwargs.get("quantization_config"))
     with _experts_left_unread():
         model = original_from_pretrained(model_cls, pretrained_model_name_or_path, *model_args,
                                          device_map=device_map, **kwargs)
@@ -257,7 +263,10 @@ def _cpu_attention_refusal(model: nn.Module) -> str | None:
 
 
 SUPPORTED_CHECKPOINT_QUANTIZATION = ("fine-grained FP8 (quant_method='fp8' with weight_block_size [rows, cols], "
-                                     "fmt 'e4m3', float block scales weight_scale_inv: DeepSeek-V3, Qwen3-*-FP8)")
+                                     "fmt 'e4m3', float block scales weight_scale_inv: DeepSeek-V3, Qwen3-*-FP8), "
+                                     "or MXFP4 for GPT-OSS only (quant_method='mxfp4': openai/gpt-oss-20b, -120b)")
+# Model types whose MXFP4 checkpoints are read per expert (arch/gpt_oss.py; transformers quantizes no other).
+MXFP4_MODEL_TYPES = ("gpt_oss",)
 
 
 def _quantization_configs(config) -> list:
@@ -302,6 +311,10 @@ def checkpoint_block_size(config) -> tuple[int, int] | None:
         problem = _fp8_problem(qc) if method == "fp8" else None
         if method == "fp8" and problem is None:
             return tuple(_qc_get(qc, "weight_block_size"))
+        if method == "mxfp4":
+            if _model_type(config) in MXFP4_MODEL_TYPES:
+                continue                              # read per expert: `checkpoint_is_mxfp4`
+            problem = f"on model type {_model_type(config)!r} (MXFP4 is read for {list(MXFP4_MODEL_TYPES)} only)"
         raise PolicyError(f"this checkpoint's weights are already quantized (quantization_config with quant_method="
                           f"{method!r}{' ' + problem if problem else ''}), which hf_moe_offload cannot read per "
                           f"expert; it reads experts stored as float tensors (float32, float16, bfloat16) or "
@@ -311,9 +324,33 @@ def checkpoint_block_size(config) -> tuple[int, int] | None:
     return None
 
 
+def checkpoint_is_mxfp4(config) -> bool:
+    """Whether `config` is an MXFP4 checkpoint whose experts hf_moe_offload reads per expert (GPT-OSS: quant_method
+    "mxfp4"); MXFP4 on another model type is refused by `checkpoint_block_size`.
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> checkpoint_is_mxfp4(SimpleNamespace(model_type="gpt_oss", quantization_config={"quant_method": "mxfp4"}))
+        True
+    """
+    return _model_type(config) in MXFP4_MODEL_TYPES and any(
+        _qc_get(qc, "quant_method") == "mxfp4" for qc in _quantization_configs(config))
+
+
+def _model_type(config) -> str | None:
+    return getattr(config, "model_type", None)
+
+
 def refuse_quantized_checkpoint(config) -> None:
     """For a model already built (`enable`): refuse one whose weights are quantized in memory. A fine-grained FP8
-    model that transformers loaded with `dequantize=True` (its CPU default) holds float weights and is accepted."""
+    or MXFP4 model that transformers loaded with `dequantize=True` (its CPU default) holds float weights and is
+    accepted."""
+    if checkpoint_is_mxfp4(config):
+        if not all(_qc_get(qc, "dequantize") for qc in _quantization_configs(config)):
+            raise PolicyError("this model holds MXFP4 experts (loaded without dequantize); load it with "
+                              "from_pretrained(..., offload_policy=...), which reads the MXFP4 experts per expert, "
+                              "or with quantization_config=Mxfp4Config(dequantize=True) before enable()")
+        return
     if checkpoint_block_size(config) is None:
         return
     if not all(_qc_get(qc, "dequantize") for qc in _quantization_configs(config)):
@@ -337,6 +374,22 @@ def _dequantizing_fp8_config(config, given):
     qc = _quantization_configs(config)[0]
     return FineGrainedFP8Config(weight_block_size=list(_qc_get(qc, "weight_block_size")), dequantize=True,
                                 modules_to_not_convert=_qc_get(qc, "modules_to_not_convert"))
+
+
+def _dequantizing_mxfp4_config(config, given):
+    """The `quantization_config=` that makes transformers load an MXFP4 GPT-OSS checkpoint's non-expert part as it
+    does by itself without a GPU kernel (`Mxfp4Config(dequantize=True)`): dense, like the experts the store
+    dequantizes. A user's `Mxfp4Config` keeps its other attributes."""
+    from transformers import Mxfp4Config
+
+    if isinstance(given, Mxfp4Config):
+        given = copy.copy(given)
+        given.dequantize = True
+        return given
+    if given is not None:
+        return given          # transformers names the mismatch with the checkpoint's method
+    qc = _quantization_configs(config)[0]
+    return Mxfp4Config(modules_to_not_convert=_qc_get(qc, "modules_to_not_convert"), dequantize=True)
 
 
 def _quantized_layouts(policy: OffloadPolicy, layers: list[MoELayer], dtype: torch.dtype,

@@ -2,8 +2,8 @@
 
 - `DiskStore`: experts stay in the checkpoint's safetensors files; `read_into` preads one expert's bytes straight
   into a destination buffer (a pinned staging buffer or a CPU cache slot). Host memory holds no expert. Fine-grained
-  FP8 experts (pieces with block scales) are dequantized into the model dtype as they are read, so every slab is
-  dense.
+  FP8 experts (pieces with block scales) and MXFP4 experts (GPT-OSS, `Mxfp4Scales`) are dequantized into the model
+  dtype as they are read, so every slab is dense.
 - `CpuStore`: every expert in host memory as rows of one [E, slab] tensor per layer, page-locked in place when the
   device is CUDA (`HostMemory`), so a slab goes to the device in a single asynchronous copy.
 
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 
 from ._logging import progress
-from .checkpoint import pread_exact, read_fp8_into, read_into, split_range
+from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
 from .layout import ExpertPiece, MoELayer, SlabLayout
 from .quantize import QuantizedSlabLayout
 
@@ -209,6 +209,10 @@ class DiskStore(ExpertStore):
         parts = layout.regions(dst) if self.quantized else layout.views(dst[:layout.numel])
         chunks, interleaved = [], []
         for piece in self.pieces[layer][expert]:
+            if isinstance(piece.scales, Mxfp4Scales):    # MXFP4 (GPT-OSS): dequantized, transposed, whole part
+                read_mxfp4_into(piece.source, piece.scales, parts[piece.part], self._fd(piece.source.path),
+                                self._fd(piece.scales.source.path), self._bounce_buffer(piece.source.nbytes))
+                continue
             rows = piece.source.shape[0]
             target = parts[piece.part][piece.row:piece.row + rows]
             if piece.interleaved:

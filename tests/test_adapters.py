@@ -1,7 +1,8 @@
 """The families with adapters of their own (GPT-OSS, DBRX, Llama-4 text): a tiny random model saved in the Hub
 layout gives the unpatched model's greedy tokens and logits offloaded to disk with a cache of a third of its
 experts and in host memory; a saved offloaded model reloads to the same tokens; disable() gives the model back;
-what they cannot do (int8/int4 experts, MXFP4 checkpoints) is refused naming why."""
+what they cannot do (int8/int4 experts; MXFP4 checkpoints but GPT-OSS's, tests/test_mxfp4.py) is refused naming
+why."""
 
 from __future__ import annotations
 
@@ -153,13 +154,15 @@ def test_quantized_experts_are_refused_naming_the_family(family, name, store, sa
     assert not (tmp_path / "q").exists()                      # refused before anything was written
 
 
-def test_gpt_oss_mxfp4_checkpoint_is_refused_naming_the_method(saved, tmp_path):
+@pytest.mark.parametrize("family", ["dbrx", "llama4_text"])
+def test_mxfp4_checkpoint_of_another_adapter_family_is_refused_naming_the_method(family, saved, tmp_path):
+    """MXFP4 is read for GPT-OSS only (tests/test_mxfp4.py); on the other adapters' families it is refused."""
     path = tmp_path / "mxfp4"
-    shutil.copytree(saved["gpt_oss"][0], path)
+    shutil.copytree(saved[family][0], path)
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]}
     (path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(PolicyError, match="quant_method='mxfp4'.*unquantized weights"):
+    with pytest.raises(PolicyError, match=f"quant_method='mxfp4' on model type '{family}'.*unquantized weights"):
         AutoModelForCausalLM.from_pretrained(path, offload_policy={"device": "cpu", "store": "disk"})
 
 

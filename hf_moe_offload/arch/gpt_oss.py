@@ -4,14 +4,17 @@ adapter does not compute: transposed weights (`gate_up_proj [E, H, 2I]`, `down_p
 (`GptOssExperts._apply_gate`, which is reused as is).
 
 In a Hub checkpoint (and as `save_pretrained` writes it) the experts are the same four fused tensors; each expert
-is row `e` of each. MXFP4 checkpoints (`*_blocks`/`*_scales`, `quantization_config` quant_method "mxfp4") are refused
-before loading, naming the method (`loading.checkpoint_block_size`): load the bf16 weights instead.
+is row `e` of each. MXFP4 checkpoints (openai/gpt-oss-20b, -120b: `quantization_config` quant_method "mxfp4") hold
+the two matrices as `gate_up_proj_blocks`/`_scales` and `down_proj_blocks`/`_scales`, [E, out, in/32, 16] codes and
+[E, out, in/32] exponents, so an expert is again row `e`; its codes and exponents are read per expert and
+dequantized, transposed, into the slab's dense [in, out] matrices as transformers' `Mxfp4Config(dequantize=True)`
+load computes them (`checkpoint.read_mxfp4_into`; same bits). The biases are dense in both.
 
 The offloaded forward is registered in `ExpertsInterface` as "hf_moe_offload_gpt_oss"; attaching selects it and
 detaching restores the model's previous experts implementation.
 
 Example:
-    >>> model = AutoModelForCausalLM.from_pretrained("openai/gpt-oss-20b-bf16",      # doctest: +SKIP
+    >>> model = AutoModelForCausalLM.from_pretrained("openai/gpt-oss-20b",           # doctest: +SKIP
     ...                                              offload_policy={"store": "disk", "expert_cache": "25%"})
 """
 
@@ -23,7 +26,7 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from ..checkpoint import CheckpointError, CheckpointIndex
+from ..checkpoint import MXFP4_BLOCK, CheckpointError, CheckpointIndex, Mxfp4Scales
 from ..execute import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
                        weights_device)
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch, \
@@ -34,6 +37,8 @@ _PREVIOUS_IMPL = "_hf_moe_offload_previous_experts_implementation"
 # slab part -> the experts module's parameter (also its name in a Hub checkpoint)
 PARAMS = {"gate_up": "gate_up_proj", "gate_up_bias": "gate_up_proj_bias", "down": "down_proj",
           "down_bias": "down_proj_bias"}
+# slab part -> its MXFP4 codes' tensor in a Hub checkpoint (exponents: the same name ending in _scales)
+MXFP4_PARAMS = {"gate_up": "gate_up_proj_blocks", "down": "down_proj_blocks"}
 
 
 @torch.compiler.disable
@@ -74,7 +79,8 @@ class GptOssArch(MoEArch):
     """GPT-OSS (`gpt_oss`): transposed, biased experts with interleaved gate/up and a clamped SwiGLU."""
 
     model_types = ("gpt_oss",)
-    checkpoint_note = "fused: gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias"
+    checkpoint_note = ("fused: gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias; MXFP4 (gpt-oss-20b/-120b): "
+                       "gate_up_proj_blocks/_scales, down_proj_blocks/_scales, dequantized as read")
 
     def is_experts_module(self, module: nn.Module) -> bool:
         return type(module).__name__ == "GptOssExperts"
@@ -95,13 +101,45 @@ class GptOssArch(MoEArch):
             keys = {part: f"{prefix}.{param}" for part, param in PARAMS.items()}
             if all(k in index for k in keys.values()):
                 return [weight_piece(index, part, 0, key, expert) for part, key in keys.items()]
+        for prefix in checkpoint_key_candidates(name):
+            if any(f"{prefix}.{blocks}" in index for blocks in MXFP4_PARAMS.values()):
+                return self._mxfp4_pieces(index, prefix, expert)
         prefix = checkpoint_key_candidates(name)[0]
-        if f"{prefix}.gate_up_proj_blocks" in index or f"model.{prefix}.gate_up_proj_blocks" in index:
-            raise CheckpointError(f"checkpoint {index.root} holds the GPT-OSS experts of {name} as MXFP4 "
-                                  f"(gate_up_proj_blocks/_scales), which hf_moe_offload does not read per expert; "
-                                  f"use the bf16 checkpoint (or save one with transformers' dequantized load)")
         raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked for "
                               f"{prefix}.{{{', '.join(PARAMS.values())}}})")
+
+    def _mxfp4_pieces(self, index: CheckpointIndex, prefix: str, expert: int) -> list[ExpertPiece]:
+        """An MXFP4 expert: its codes with their exponents (`CheckpointIndex.mxfp4_scales` checks both) and its
+        dense biases; a missing tensor is named."""
+        keys = {part: f"{prefix}.{blocks}" for part, blocks in MXFP4_PARAMS.items()}
+        keys.update({part: f"{prefix}.{PARAMS[part]}" for part in ("gate_up_bias", "down_bias")})
+        missing = [key for key in keys.values() if key not in index]
+        if missing:
+            raise CheckpointError(f"checkpoint {index.root} holds MXFP4 GPT-OSS experts under {prefix} but lacks "
+                                  f"{', '.join(missing)} (an MXFP4 checkpoint has {', '.join(keys.values())} and "
+                                  f"the matching _scales)")
+        return [ExpertPiece(part, 0, index.locate(key, row=expert), index.mxfp4_scales(key, row=expert))
+                if part in MXFP4_PARAMS else weight_piece(index, part, 0, key, expert) for part, key in keys.items()]
+
+    def locate_expert(self, index: CheckpointIndex, name: str, expert: int, layout: SlabLayout
+                      ) -> list[ExpertPiece]:
+        """`expert_pieces`, checked to fill every slab part with its shape; MXFP4 codes [out, in/32, 16] count as
+        the [in, out] matrix they dequantize into."""
+        pieces = self.expert_pieces(index, name, expert, layout)
+        if not any(isinstance(p.scales, Mxfp4Scales) for p in pieces):
+            return super().locate_expert(index, name, expert, layout)
+        shapes = dict(layout.parts)
+        for p in pieces:
+            if isinstance(p.scales, Mxfp4Scales):
+                out_rows, groups, _ = p.source.shape
+                got = (groups * MXFP4_BLOCK, out_rows)
+            else:
+                got = tuple(p.source.shape)
+            if got != tuple(shapes[p.part]):
+                raise CheckpointError(f"{p.source.path}: expert {expert} of {name} gives {p.part} the shape "
+                                      f"{list(got)}{' once dequantized' if p.scales is not None else ''}, the model "
+                                      f"expects {list(shapes[p.part])}")
+        return pieces
 
     def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
         return {part: getattr(module, param).data[expert] for part, param in PARAMS.items()}
