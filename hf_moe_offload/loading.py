@@ -102,6 +102,8 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     with _experts_left_unread():
         model = original_from_pretrained(model_cls, pretrained_model_name_or_path, *model_args,
                                          device_map=device_map, **kwargs)
+    if checkpoint_is_mxfp4(config):
+        _forget_mxfp4_conversions(model)
     layers = arch.find_layers(model)
     dtype = next(layers[0].module.parameters()).dtype   # what transformers chose (meta tensors keep it)
     reader = DiskStore(layers, pieces, dtype)
@@ -390,6 +392,19 @@ def _dequantizing_mxfp4_config(config, given):
         return given          # transformers names the mismatch with the checkpoint's method
     qc = _quantization_configs(config)[0]
     return Mxfp4Config(modules_to_not_convert=_qc_get(qc, "modules_to_not_convert"), dequantize=True)
+
+
+def _forget_mxfp4_conversions(model: nn.Module) -> None:
+    """Drop the MXFP4 converters (`*_blocks` + `*_scales` -> dense weight) transformers attached to `model` for its
+    load: `save_pretrained` reverses them, and would write the dense experts under the `*_blocks` names (transformers'
+    own dequantized MXFP4 model saves such an unloadable checkpoint). Without them it saves a dense checkpoint, the
+    `quantization_config` being gone from the config after a dequantized load."""
+    from transformers.integrations.mxfp4 import Mxfp4Dequantize
+
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions:
+        model._weight_conversions = [c for c in conversions
+                                     if not any(isinstance(op, Mxfp4Dequantize) for op in getattr(c, "operations", ()))]
 
 
 def _quantized_layouts(policy: OffloadPolicy, layers: list[MoELayer], dtype: torch.dtype,

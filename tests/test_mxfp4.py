@@ -191,3 +191,34 @@ def test_mxfp4_on_another_family_stays_refused(tmp_path):
     (tmp_path / "m" / "config.json").write_text(json.dumps(config))
     with pytest.raises(PolicyError, match="quant_method='mxfp4' on model type 'mixtral'.*GPT-OSS only"):
         _offloaded(path, store="disk", expert_cache="50%")
+
+
+def test_bfloat16_load_gives_transformers_bfloat16_experts(mxfp4):
+    """The published checkpoints load in bfloat16: the table lookup and ldexp run in the model dtype."""
+    path = mxfp4[0]
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                     quantization_config=Mxfp4Config(dequantize=True))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                 offload_policy={"device": "cpu", "store": "disk"})
+    engine = hf_moe_offload.get_engine(model)
+    layer = engine.layers[1]
+    slab = dense_expert(engine.store, layer.index, 5)
+    assert slab["gate_up"].dtype == torch.bfloat16
+    assert torch.equal(slab["gate_up"], reference.get_submodule(layer.name).gate_up_proj[5])
+    assert torch.equal(slab["down"], reference.get_submodule(layer.name).down_proj[5])
+
+
+def test_saved_offloaded_model_is_a_dense_checkpoint_with_the_same_tokens(mxfp4, tmp_path):
+    path, _, want, _ = mxfp4
+    _offloaded(path, store="disk", expert_cache="34%").save_pretrained(tmp_path / "saved")
+    config = json.loads((tmp_path / "saved" / "config.json").read_text())
+    assert "quantization_config" not in config            # dense experts under their dense names, not *_blocks
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert torch.equal(_outputs(reloaded, *token_inputs(2, 6, left_pad=True))[0], want)
+
+
+def test_enable_accepts_the_model_transformers_dequantized(mxfp4):
+    """transformers' CPU load of an MXFP4 checkpoint (dequantize=True) holds float experts: enable() offloads it."""
+    model = AutoModelForCausalLM.from_pretrained(mxfp4[0], quantization_config=Mxfp4Config(dequantize=True)).eval()
+    hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
+    assert torch.equal(_outputs(model, *token_inputs(2, 6, left_pad=True))[0], mxfp4[2])
