@@ -187,6 +187,43 @@ def checkpoint_key_candidates(name: str, renames: tuple[tuple[str, str], ...] = 
 _REGISTRY: list[MoEArch] = []
 
 
+class StackedParams:
+    """The four parameter methods of `MoEArch` for an experts module that holds each slab part as one parameter
+    stacked over experts (`params`: slab part -> parameter name; GPT-OSS, Llama-4). Mixed in before `MoEArch`."""
+
+    params: dict[str, str]
+
+    def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
+        return {part: getattr(module, param).data[expert] for part, param in self.params.items()}
+
+    def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
+        for part, param in self.params.items():
+            restore_parameter(module, param, stacked[part])
+
+    def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return {param: stacked[part] for part, param in self.params.items()}
+
+    def release_expert_params(self, module: nn.Module) -> None:
+        for param in self.params.values():
+            release_parameter(module, param)
+
+
+class SwappedExpertsChild:
+    """`attach`/`detach` for adapters whose offloaded forward replaces the block's `experts` child with
+    `offloaded_class(original experts module, runtime)` (Switch, DBRX, Llama-4); detaching puts the original back.
+    Mixed in before `MoEArch`."""
+
+    offloaded_class: type
+
+    def attach(self, model: nn.Module, layer: MoELayer, runtime: "LayerRuntime") -> None:
+        model.get_submodule(layer.name.rsplit(".", 1)[0]).experts = self.offloaded_class(layer.module, runtime)
+
+    def detach(self, model: nn.Module, layer: MoELayer) -> None:
+        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
+        if isinstance(parent.experts, self.offloaded_class):
+            parent.experts = layer.module
+
+
 def register_arch(arch: MoEArch) -> MoEArch:
     _REGISTRY.append(arch)
     return arch

@@ -23,8 +23,8 @@ from torch import nn
 from ..checkpoint import ByteRange, CheckpointError, CheckpointIndex
 from ..execute import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
                        weights_device)
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch, \
-    release_parameter, restore_parameter
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, checkpoint_key_candidates, \
+    register_arch, release_parameter, restore_parameter
 
 PARTS = ("w1", "v1", "w2")
 
@@ -74,10 +74,11 @@ class OffloadedDbrxExperts(nn.Module):
         return _refuse_backward(out, hidden_states).view(batch, -1, self.hidden_size)
 
 
-class DbrxArch(MoEArch):
+class DbrxArch(SwappedExpertsChild, MoEArch):
     """DBRX (`dbrx`): experts in `DbrxExpertGLU` as w1/v1/w2 [E * F, H]."""
 
     model_types = ("dbrx",)
+    offloaded_class = OffloadedDbrxExperts
     checkpoint_note = "fused: mlp.w1, mlp.v1, mlp.w2 ([E*F, H], F rows per expert)"
 
     def is_experts_module(self, module: nn.Module) -> bool:
@@ -132,14 +133,6 @@ class DbrxArch(MoEArch):
     def routing_from_logits(self, router: nn.Module, logits: torch.Tensor, output):
         return logits.to(output.dtype)        # DbrxFFN.route_tokens_to_experts decides from these logits
 
-    def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
-        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
-        parent.experts = OffloadedDbrxExperts(layer.module, runtime)
-
-    def detach(self, model: nn.Module, layer: MoELayer) -> None:
-        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
-        if isinstance(parent.experts, OffloadedDbrxExperts):
-            parent.experts = layer.module
 
 
 register_arch(DbrxArch())

@@ -395,18 +395,29 @@ class FusedExpertsArch(MoEArch):
         return None
 
     def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
-        layer.module._hf_moe_offload = runtime
-        if not hasattr(model, _PREVIOUS_IMPL):
-            setattr(model, _PREVIOUS_IMPL, model.config._experts_implementation)
-            model.set_experts_implementation(EXPERTS_IMPLEMENTATION)
+        select_experts_implementation(model, layer, runtime, EXPERTS_IMPLEMENTATION)
 
     def detach(self, model: nn.Module, layer: MoELayer) -> None:
-        if hasattr(layer.module, "_hf_moe_offload"):
-            del layer.module._hf_moe_offload
-        previous = getattr(model, _PREVIOUS_IMPL, None)
-        if previous is not None:
-            delattr(model, _PREVIOUS_IMPL)
-            model.set_experts_implementation(previous)
+        restore_experts_implementation(model, layer)
+
+
+def select_experts_implementation(model: nn.Module, layer: MoELayer, runtime, implementation: str) -> None:
+    """Attach through transformers' `ExpertsInterface`: the layer's experts module gets its runtime, and the model
+    switches to the offloaded `implementation` (the user's choice is kept to restore on detach)."""
+    layer.module._hf_moe_offload = runtime
+    if not hasattr(model, _PREVIOUS_IMPL):
+        setattr(model, _PREVIOUS_IMPL, model.config._experts_implementation)
+        model.set_experts_implementation(implementation)
+
+
+def restore_experts_implementation(model: nn.Module, layer: MoELayer) -> None:
+    """Undo `select_experts_implementation` for `layer` (the model's implementation once, for the first layer)."""
+    if hasattr(layer.module, "_hf_moe_offload"):
+        del layer.module._hf_moe_offload
+    previous = getattr(model, _PREVIOUS_IMPL, None)
+    if previous is not None:
+        delattr(model, _PREVIOUS_IMPL)
+        model.set_experts_implementation(previous)
 
 
 register_arch(FusedExpertsArch())

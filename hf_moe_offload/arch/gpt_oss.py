@@ -29,11 +29,11 @@ from transformers.integrations.moe import ExpertsInterface
 from ..checkpoint import MXFP4_BLOCK, CheckpointError, CheckpointIndex, Mxfp4Scales
 from ..execute import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
                        weights_device)
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch, \
-    release_parameter, restore_parameter, weight_piece
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, StackedParams, checkpoint_key_candidates, register_arch, \
+    weight_piece
+from .fused import restore_experts_implementation, select_experts_implementation
 
 GPT_OSS_IMPLEMENTATION = "hf_moe_offload_gpt_oss"
-_PREVIOUS_IMPL = "_hf_moe_offload_previous_experts_implementation"
 # slab part -> the experts module's parameter (also its name in a Hub checkpoint)
 PARAMS = {"gate_up": "gate_up_proj", "gate_up_bias": "gate_up_proj_bias", "down": "down_proj",
           "down_bias": "down_proj_bias"}
@@ -75,10 +75,11 @@ def offloaded_gpt_oss_experts_forward(self: nn.Module, hidden_states: torch.Tens
 ExpertsInterface.register(GPT_OSS_IMPLEMENTATION, offloaded_gpt_oss_experts_forward)
 
 
-class GptOssArch(MoEArch):
+class GptOssArch(StackedParams, MoEArch):
     """GPT-OSS (`gpt_oss`): transposed, biased experts with interleaved gate/up and a clamped SwiGLU."""
 
     model_types = ("gpt_oss",)
+    params = PARAMS
     checkpoint_note = ("fused: gate_up_proj, gate_up_proj_bias, down_proj, down_proj_bias; MXFP4 (gpt-oss-20b/-120b): "
                        "gate_up_proj_blocks/_scales, down_proj_blocks/_scales, dequantized as read")
 
@@ -141,20 +142,6 @@ class GptOssArch(MoEArch):
                                       f"expects {list(shapes[p.part])}")
         return pieces
 
-    def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
-        return {part: getattr(module, param).data[expert] for part, param in PARAMS.items()}
-
-    def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
-        for part, param in PARAMS.items():
-            restore_parameter(module, param, stacked[part])
-
-    def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {param: stacked[part] for part, param in PARAMS.items()}
-
-    def release_expert_params(self, module: nn.Module) -> None:
-        for param in PARAMS.values():
-            release_parameter(module, param)
-
     # -- routing: GptOssTopKRouter returns (logits [T, E], softmax over the top-k logits [T, k], indices [T, k]) --
 
     def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
@@ -174,18 +161,10 @@ class GptOssArch(MoEArch):
         return logits, scores.to(output[1].dtype), top_index
 
     def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
-        layer.module._hf_moe_offload = runtime
-        if not hasattr(model, _PREVIOUS_IMPL):
-            setattr(model, _PREVIOUS_IMPL, model.config._experts_implementation)
-            model.set_experts_implementation(GPT_OSS_IMPLEMENTATION)
+        select_experts_implementation(model, layer, runtime, GPT_OSS_IMPLEMENTATION)
 
     def detach(self, model: nn.Module, layer: MoELayer) -> None:
-        if hasattr(layer.module, "_hf_moe_offload"):
-            del layer.module._hf_moe_offload
-        previous = getattr(model, _PREVIOUS_IMPL, None)
-        if previous is not None:
-            delattr(model, _PREVIOUS_IMPL)
-            model.set_experts_implementation(previous)
+        restore_experts_implementation(model, layer)
 
 
 register_arch(GptOssArch())

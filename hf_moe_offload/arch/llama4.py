@@ -25,8 +25,8 @@ from torch import nn
 from ..checkpoint import CheckpointError, CheckpointIndex
 from ..execute import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
                        weights_device)
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch, \
-    release_parameter, restore_parameter, weight_piece
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, StackedParams, SwappedExpertsChild, \
+    checkpoint_key_candidates, register_arch, weight_piece
 
 PARAMS = {"gate_up": "gate_up_proj", "down": "down_proj"}
 
@@ -62,10 +62,12 @@ class OffloadedLlama4Experts(nn.Module):
         return _refuse_backward(out, hidden_states)
 
 
-class Llama4Arch(MoEArch):
+class Llama4Arch(StackedParams, SwappedExpertsChild, MoEArch):
     """Llama-4 text (`llama4_text`, `llama4`): transposed fused experts, sigmoid top-k router, a shared expert."""
 
     model_types = ("llama4", "llama4_text")
+    params = PARAMS
+    offloaded_class = OffloadedLlama4Experts
     checkpoint_note = "fused: gate_up_proj, down_proj"
 
     def is_experts_module(self, module: nn.Module) -> bool:
@@ -91,20 +93,6 @@ class Llama4Arch(MoEArch):
         raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked for "
                               f"{candidates[0]}.gate_up_proj and .down_proj, also under language_model.)")
 
-    def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
-        return {part: getattr(module, param).data[expert] for part, param in PARAMS.items()}
-
-    def set_expert_params(self, module: nn.Module, stacked: dict[str, torch.Tensor]) -> None:
-        for part, param in PARAMS.items():
-            restore_parameter(module, param, stacked[part])
-
-    def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {param: stacked[part] for part, param in PARAMS.items()}
-
-    def release_expert_params(self, module: nn.Module) -> None:
-        for param in PARAMS.values():
-            release_parameter(module, param)
-
     # -- routing: Llama4Router (an nn.Linear) returns (sigmoid scores, -inf-masked to the top-k [T, E], logits) --
 
     def router_module(self, model: nn.Module, layer: MoELayer) -> nn.Module:
@@ -119,14 +107,6 @@ class Llama4Arch(MoEArch):
         scores = torch.full_like(logits, float("-inf")).scatter_(1, top_index, top_value)
         return torch.sigmoid(scores.float()).to(output[0].dtype), logits
 
-    def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
-        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
-        parent.experts = OffloadedLlama4Experts(layer.module, runtime)
-
-    def detach(self, model: nn.Module, layer: MoELayer) -> None:
-        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
-        if isinstance(parent.experts, OffloadedLlama4Experts):
-            parent.experts = layer.module
 
 
 register_arch(Llama4Arch())

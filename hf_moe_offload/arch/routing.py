@@ -36,7 +36,6 @@ import sys
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 logger = logging.getLogger(__name__)

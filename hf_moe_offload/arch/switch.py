@@ -12,12 +12,13 @@ from torch import nn
 
 from ..checkpoint import CheckpointError, CheckpointIndex
 from ..execute import OffloadedSwitchExperts
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, checkpoint_key_candidates, register_arch, \
-    release_parameter, restore_parameter
+from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, checkpoint_key_candidates, \
+    register_arch, release_parameter, restore_parameter
 
 
-class SwitchArch(MoEArch):
+class SwitchArch(SwappedExpertsChild, MoEArch):
     model_types = ("switch_transformers",)
+    offloaded_class = OffloadedSwitchExperts
 
     def is_experts_module(self, module: nn.Module) -> bool:
         return type(module).__name__ == "SwitchTransformersExperts"
@@ -76,14 +77,6 @@ class SwitchArch(MoEArch):
     def routes_input_ids(self, layer: MoELayer) -> bool:
         return layer.name.startswith("encoder.")                    # the decoder routes the generated tokens
 
-    def attach(self, model: nn.Module, layer: MoELayer, runtime) -> None:
-        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
-        parent.experts = OffloadedSwitchExperts(layer.module, runtime)
-
-    def detach(self, model: nn.Module, layer: MoELayer) -> None:
-        parent = model.get_submodule(layer.name.rsplit(".", 1)[0])
-        if isinstance(parent.experts, OffloadedSwitchExperts):
-            parent.experts = layer.module
 
 
 register_arch(SwitchArch())
