@@ -363,35 +363,36 @@ def refuse_quantized_checkpoint(config) -> None:
 
 def _dequantizing_fp8_config(config, given):
     """The `quantization_config=` that makes transformers load a fine-grained FP8 checkpoint dequantized to the model
-    dtype (only its loading attributes, `dequantize` and `modules_to_not_convert`, override the checkpoint's), as it
-    does by itself without a GPU: the resident part is then dense, like the experts the store dequantizes."""
+    dtype, as it does by itself without a GPU: the resident part is then dense, like the experts the store
+    dequantizes."""
     from transformers import FineGrainedFP8Config
 
-    if isinstance(given, FineGrainedFP8Config):
-        given = copy.copy(given)
-        given.dequantize = True
-        return given
-    if given is not None:
-        return given          # transformers names the mismatch with the checkpoint's method
-    qc = _quantization_configs(config)[0]
-    return FineGrainedFP8Config(weight_block_size=list(_qc_get(qc, "weight_block_size")), dequantize=True,
-                                modules_to_not_convert=_qc_get(qc, "modules_to_not_convert"))
+    return _dequantizing_config(config, given, FineGrainedFP8Config,
+                                lambda qc: {"weight_block_size": list(_qc_get(qc, "weight_block_size"))})
 
 
 def _dequantizing_mxfp4_config(config, given):
     """The `quantization_config=` that makes transformers load an MXFP4 GPT-OSS checkpoint's non-expert part as it
     does by itself without a GPU kernel (`Mxfp4Config(dequantize=True)`): dense, like the experts the store
-    dequantizes. A user's `Mxfp4Config` keeps its other attributes."""
+    dequantizes."""
     from transformers import Mxfp4Config
 
-    if isinstance(given, Mxfp4Config):
+    return _dequantizing_config(config, given, Mxfp4Config, lambda qc: {})
+
+
+def _dequantizing_config(config, given, config_class: type, from_checkpoint):
+    """A user's `config_class` instance with `dequantize` set (its other attributes kept), any other given config
+    as is (transformers names the mismatch with the checkpoint's method), else one built from the checkpoint's
+    quantization config: `from_checkpoint(qc)`'s fields and its `modules_to_not_convert`."""
+    if isinstance(given, config_class):
         given = copy.copy(given)
         given.dequantize = True
         return given
     if given is not None:
-        return given          # transformers names the mismatch with the checkpoint's method
+        return given
     qc = _quantization_configs(config)[0]
-    return Mxfp4Config(modules_to_not_convert=_qc_get(qc, "modules_to_not_convert"), dequantize=True)
+    return config_class(**from_checkpoint(qc), modules_to_not_convert=_qc_get(qc, "modules_to_not_convert"),
+                        dequantize=True)
 
 
 def _forget_mxfp4_conversions(model: nn.Module) -> None:
