@@ -20,6 +20,8 @@ import subprocess
 import sys
 import time
 
+from bench import evict_from_page_cache, proc_read_bytes   # this folder's benchmark: the same disk probes
+
 
 def run_one(model_path: str, variant: dict, batch: int, new_tokens: int) -> dict:
     import torch
@@ -45,13 +47,7 @@ def run_one(model_path: str, variant: dict, batch: int, new_tokens: int) -> dict
     files = glob.glob(os.path.join(model_path, "*.safetensors"))
 
     def evict() -> None:
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-    def read_bytes() -> int:
-        return int([line for line in open("/proc/self/io") if line.startswith("read_bytes")][0].split()[1])
+        evict_from_page_cache(files)
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, offload_policy={
         "device": "cpu", "store": "disk", "expert_cache": "25%", **variant.get("policy", {})})
@@ -60,9 +56,9 @@ def run_one(model_path: str, variant: dict, batch: int, new_tokens: int) -> dict
 
     class Probe(StoppingCriteria):
         def __call__(self, ids, scores, **kwargs):
-            marks.append((time.perf_counter(), clock.snapshot()[0], read_bytes()))
+            marks.append((time.perf_counter(), clock.snapshot()[0], proc_read_bytes()))
             evict()
-            marks.append((time.perf_counter(), clock.snapshot()[0], read_bytes()))
+            marks.append((time.perf_counter(), clock.snapshot()[0], proc_read_bytes()))
             return torch.zeros(ids.shape[0], dtype=torch.bool)
 
     gen = torch.Generator().manual_seed(0)

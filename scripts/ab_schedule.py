@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from bench import evict_from_page_cache, proc_read_bytes   # this folder's benchmark: the same disk probes
+
 BASE_POLICY = {"device": "cpu", "store": "disk", "expert_cache": "25%"}
 
 
@@ -37,13 +39,7 @@ def run_one(model: str, policy: dict, batch: int, prompt_len: int, new_tokens: i
     files = glob.glob(os.path.join(model, "*.safetensors"))
 
     def evict() -> None:
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
-
-    def read_bytes() -> int:
-        return int([line for line in open("/proc/self/io") if line.startswith("read_bytes")][0].split()[1])
+        evict_from_page_cache(files)
 
     class Steps(StoppingCriteria):
         """Timestamps every step and drops the page cache after it; never stops generation."""
@@ -65,10 +61,10 @@ def run_one(model: str, policy: dict, batch: int, prompt_len: int, new_tokens: i
     evict()
     clock = getattr(getattr(hf_moe_offload.get_engine(m).cache, "copy", None), "read_clock", None)
     busy0 = clock.snapshot()[0] if clock is not None else 0.0
-    steps, start, before = Steps(), time.perf_counter(), read_bytes()
+    steps, start, before = Steps(), time.perf_counter(), proc_read_bytes()
     m.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
                stopping_criteria=[steps])
-    read = read_bytes() - before
+    read = proc_read_bytes() - before
     # Share of the generate the store had a read in flight (the rest: the disk idled, evictions included).
     busy_share = (clock.snapshot()[0] - busy0) / (steps.times[-1] - start) if clock is not None else None
     s = hf_moe_offload.stats(m)

@@ -17,6 +17,8 @@ import os
 import threading
 import time
 
+from bench import evict_from_page_cache     # this folder's benchmark: the same page-cache eviction
+
 
 def busy_within(reads: list[tuple[float, float]], start: float, end: float) -> float:
     """Seconds of [start, end] covered by at least one read interval."""
@@ -42,10 +44,7 @@ def record(model_path: str, batch: int, prompt_len: int, new_tokens: int, policy
     files = glob.glob(os.path.join(model_path, "*.safetensors"))
 
     def evict() -> None:
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            os.close(fd)
+        evict_from_page_cache(files)
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, offload_policy=policy)
     engine = hf_moe_offload.get_engine(model)
