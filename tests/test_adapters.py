@@ -81,14 +81,15 @@ def saved(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_offloaded_to_disk_gives_the_same_tokens_saves_and_disables(family, saved, tmp_path):
-    path, want, want_logits = saved[family]
+def check_disk_offload_saves_and_disables(path: str, want, want_logits, arch: type, tmp_path) -> None:
+    """Offloaded to disk with a third of the experts cached: the unpatched tokens and logits through the cache; a
+    saved offloaded model reloads to the same tokens and the same weights; `disable()` gives the model back (also
+    used by tests/test_layout_flags.py)."""
     ids, mask = token_inputs(2, 6, left_pad=True)
     model = AutoModelForCausalLM.from_pretrained(
         path, offload_policy={"device": "cpu", "store": "disk", "expert_cache": "34%"}).eval()   # 4 of 12
     engine = hf_moe_offload.get_engine(model)
-    assert isinstance(engine.arch, ADAPTERS[family]) and len(engine.layers) == 2
+    assert isinstance(engine.arch, arch) and len(engine.layers) == 2
     got, got_logits = _outputs(model, ids, mask)
     assert torch.equal(got, want)
     torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-5)
@@ -98,6 +99,9 @@ def test_offloaded_to_disk_gives_the_same_tokens_saves_and_disables(family, save
     model.save_pretrained(tmp_path / "saved")                 # every expert, read back from the store
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     assert torch.equal(_outputs(reloaded, ids, mask)[0], want)
+    original = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    for key, value in reloaded.state_dict().items():         # the experts in their own orientation
+        torch.testing.assert_close(value, original[key], rtol=0, atol=0)
 
     hf_moe_offload.disable(model)
     assert hf_moe_offload.get_engine(model) is None
@@ -107,9 +111,9 @@ def test_offloaded_to_disk_gives_the_same_tokens_saves_and_disables(family, save
     torch.testing.assert_close(back_logits, want_logits, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("family", list(CONFIGS))
-def test_host_memory_store_and_enable_disable_are_exact(family, saved):
-    path, want, want_logits = saved[family]
+def check_host_store_and_enable_disable(path: str, want, want_logits) -> None:
+    """Experts in host memory give the unpatched tokens; enable() then disable() on a built model is bit-identical
+    (also used by tests/test_layout_flags.py)."""
     ids, mask = token_inputs(2, 6, left_pad=True)
     model = AutoModelForCausalLM.from_pretrained(path, offload_policy={"device": "cpu", "store": "cpu"}).eval()
     got, got_logits = _outputs(model, ids, mask)
@@ -122,6 +126,16 @@ def test_host_memory_store_and_enable_disable_are_exact(family, saved):
     assert torch.equal(_outputs(built, ids, mask)[0], want)
     hf_moe_offload.disable(built)
     assert torch.equal(_outputs(built, ids, mask)[1], before)   # bit-identical to before enable
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_offloaded_to_disk_gives_the_same_tokens_saves_and_disables(family, saved, tmp_path):
+    check_disk_offload_saves_and_disables(*saved[family], ADAPTERS[family], tmp_path)
+
+
+@pytest.mark.parametrize("family", list(CONFIGS))
+def test_host_memory_store_and_enable_disable_are_exact(family, saved):
+    check_host_store_and_enable_disable(*saved[family])
 
 
 @pytest.mark.parametrize("family", list(CONFIGS))

@@ -11,21 +11,15 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-import hf_moe_offload
 from hf_moe_offload.arch.fused import FusedExpertsArch
 from hf_moe_offload.execute import MatmulSlabLayout
 from hf_moe_offload.policy import PolicyError
 
 from conftest import token_inputs
+from test_adapters import _outputs, check_disk_offload_saves_and_disables, check_host_store_and_enable_disable
 from test_families import tiny_model
 
 FAMILIES = ["aria_text", "nemotron_h"]
-GEN = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
-
-
-def _outputs(model, ids, mask) -> tuple[torch.Tensor, torch.Tensor]:
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=mask, **GEN), model(ids, attention_mask=mask).logits
 
 
 @pytest.fixture(scope="module")
@@ -61,46 +55,12 @@ def test_slab_layouts_follow_the_flags(saved):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_disk_store_saves_and_disables_to_the_same_tokens(family, saved, tmp_path):
-    path, want, want_logits = saved[family]
-    ids, mask = token_inputs(2, 6, left_pad=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, offload_policy={"device": "cpu", "store": "disk", "expert_cache": "34%"}).eval()   # 4 of 12
-    assert isinstance(hf_moe_offload.get_engine(model).arch, FusedExpertsArch)
-    got, got_logits = _outputs(model, ids, mask)
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-5)
-    stats = hf_moe_offload.stats(model)
-    assert stats["misses"] > 0 and stats["evictions"] > 0     # the experts really came from disk through the cache
-
-    model.save_pretrained(tmp_path / "saved")                 # every expert, read back from the store
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
-    assert torch.equal(_outputs(reloaded, ids, mask)[0], want)
-    original = AutoModelForCausalLM.from_pretrained(path).state_dict()
-    for key, value in reloaded.state_dict().items():         # the experts in their own orientation
-        torch.testing.assert_close(value, original[key], rtol=0, atol=0)
-
-    hf_moe_offload.disable(model)
-    assert hf_moe_offload.get_engine(model) is None
-    back, back_logits = _outputs(model, ids, mask)
-    assert torch.equal(back, want)
-    torch.testing.assert_close(back_logits, want_logits, rtol=1e-4, atol=1e-5)
+    check_disk_offload_saves_and_disables(*saved[family], FusedExpertsArch, tmp_path)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_host_memory_store_and_enable_disable_are_exact(family, saved):
-    path, want, want_logits = saved[family]
-    ids, mask = token_inputs(2, 6, left_pad=True)
-    model = AutoModelForCausalLM.from_pretrained(path, offload_policy={"device": "cpu", "store": "cpu"}).eval()
-    got, got_logits = _outputs(model, ids, mask)
-    assert torch.equal(got, want)
-    torch.testing.assert_close(got_logits, want_logits, rtol=1e-4, atol=1e-5)
-
-    built = AutoModelForCausalLM.from_pretrained(path).eval()
-    before = _outputs(built, ids, mask)[1]
-    hf_moe_offload.enable(built, {"device": "cpu", "store": "disk", "expert_cache": "50%"})
-    assert torch.equal(_outputs(built, ids, mask)[0], want)
-    hf_moe_offload.disable(built)
-    assert torch.equal(_outputs(built, ids, mask)[1], before)   # bit-identical to before enable
+    check_host_store_and_enable_disable(*saved[family])
 
 
 def test_int8_works_for_gateless_experts(saved):
