@@ -116,6 +116,11 @@ class ReadClock:
                 if self._in_flight == 0:
                     self.busy_s += time.perf_counter() - self._since
 
+    def read(self, store: ExpertStore, layer: int, expert: int, buffer: torch.Tensor) -> None:
+        """`store.read_into(layer, expert, buffer)`, counted."""
+        with self.reading(store.slab_bytes(layer)):
+            store.read_into(layer, expert, buffer)
+
     def snapshot(self) -> tuple[float, int]:
         """(busy seconds, bytes) so far, counting a read still in flight up to now."""
         with self._lock:
@@ -159,15 +164,11 @@ class CpuCopyEngine:
 
     def read_host(self, layer: int, expert: int, buffer: torch.Tensor) -> CpuLoad:
         """Read the expert into the host `buffer` (an expert computed on the CPU), as a demand load."""
-        return CpuLoad(self._readers.submit(lambda: self._clocked_read(layer, expert, buffer), True))
-
-    def _clocked_read(self, layer: int, expert: int, buffer: torch.Tensor) -> None:
-        with self.read_clock.reading(self.store.slab_bytes(layer)):
-            self.store.read_into(layer, expert, buffer)
+        return CpuLoad(self._readers.submit(lambda: self.read_clock.read(self.store, layer, expert, buffer), True))
 
     def _timed_read(self, layer: int, expert: int, slot: torch.Tensor) -> None:
         start = time.perf_counter()
-        self._clocked_read(layer, expert, slot)
+        self.read_clock.read(self.store, layer, expert, slot)
         self.meter.record(self.store.slab_bytes(layer), time.perf_counter() - start)
 
     def release_marker(self, device: torch.device) -> None:
@@ -273,11 +274,7 @@ class CudaCopyEngine:
             future: Future = Future()
             future.set_result(self.store.read_into(layer, expert, buffer))
             return CpuLoad(future)
-        return CpuLoad(self._readers.submit(lambda: self._clocked_read(layer, expert, buffer), True))
-
-    def _clocked_read(self, layer: int, expert: int, buffer: torch.Tensor) -> None:
-        with self.read_clock.reading(self.store.slab_bytes(layer)):
-            self.store.read_into(layer, expert, buffer)
+        return CpuLoad(self._readers.submit(lambda: self.read_clock.read(self.store, layer, expert, buffer), True))
 
     def _copy(self, host: torch.Tensor, slot: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
         """Issue the copy on the copy stream (under this device, so a reader thread touches no other GPU)."""
@@ -298,7 +295,7 @@ class CudaCopyEngine:
         buffer = self._staging.acquire()
         copied = None
         try:
-            self._clocked_read(layer, expert, buffer)
+            self.read_clock.read(self.store, layer, expert, buffer)
             copied = self._copy(buffer[:self.store.layouts[layer].numel], slot, after)
             return copied
         finally:

@@ -803,8 +803,8 @@ def read_clock(model) -> dict[str, float]:
     (`ReadClock`; absent in library versions before it, and for a zero-copy cache)."""
     import hf_moe_offload
 
-    engine = hf_moe_offload.get_engine(model)
-    caches = getattr(engine, "caches", None) or [getattr(engine, "cache", None)]
+    cache = hf_moe_offload.get_engine(model).cache
+    caches = list(cache.caches.values()) if hasattr(cache, "caches") else [cache]   # a CacheGroup: one per device
     clocks = [c.copy.read_clock for c in caches if getattr(getattr(c, "copy", None), "read_clock", None)]
     if not clocks:
         return {}
