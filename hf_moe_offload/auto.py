@@ -177,9 +177,10 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
                           f"top_k={fp.top_k} x {format_bytes(fp.slab_bytes)} per expert = "
                           f"{format_bytes(fp.min_cache_bytes)}; use at least expert_cache={fp.min_cache_bytes}")
     window = DEFAULT_STREAM_WINDOW if policy.stream_window == AUTO else policy.stream_window
+    micro_batches = resolve_micro_batches(policy, fp, device, store, attention, cache, zero_copy)
     resolved = dataclasses.replace(policy, device=str(device), store=store, expert_cache=cache,
                                    max_batch_size=batch, max_seq_len=seq_len, stream_window=window,
-                                   attention=attention)
+                                   attention=attention, micro_batches=micro_batches)
     from .planner import plan_for_policy   # the cost model picks the "auto" performance fields (issue 9)
     resolved = plan_for_policy(policy, resolved, fp)
     if auto_fields:
@@ -188,6 +189,56 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
                     format_bytes(fp.expert_bytes), format_bytes(fp.resident_bytes),
                     format_bytes(psutil.virtual_memory().available))
     return ResolvedPolicy(resolved, cache)
+
+
+def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, device: torch.device, store: str, attention: str,
+                          cache_bytes: int, zero_copy: bool, where: str = "") -> int:
+    """`micro_batches` as a number: "auto" is 2 on a GPU with CPU attention (one slice's host attention overlaps
+    the previous slice's device experts) when the cache holds a layer's experts, else 1. A number above 1 is
+    checked: the layer's experts stay pinned until its last slice, so the cache must hold a whole layer's experts
+    beside the resident layers' (`where`: the device whose share `cache_bytes` is, for the message).
+
+    Example:
+        >>> fp = Footprint(expert_bytes=64 << 10, slab_bytes=1 << 10, resident_bytes=0, top_k=2, layer_experts=(8,) * 8)
+        >>> resolve_micro_batches(OffloadPolicy(micro_batches=2), fp, torch.device("cpu"), "disk", "device",
+        ...                       16 << 10, False)
+        2
+    """
+    if policy.micro_batches == AUTO:
+        wanted = device.type == "cuda" and attention == "cpu"
+        if not wanted or not _holds_a_layer(policy, fp, store, cache_bytes, zero_copy):
+            return 1
+        logger.info("hf_moe_offload: micro_batches='auto' -> 2: CPU attention of one half of a batch overlaps the "
+                    "device's expert compute of the other")
+        return 2
+    count = int(policy.micro_batches)
+    if count == 1 or zero_copy:
+        return count
+    if policy.expert_compute == "cpu" and store == "disk":
+        raise PolicyError(f"micro_batches={count} with expert_compute='cpu' and store='disk' would read every expert "
+                          f"once per micro-batch (experts computed on the CPU are read into reused host buffers); "
+                          f"use store='cpu', expert_compute='auto' or 'device', or micro_batches=1")
+    if not _holds_a_layer(policy, fp, store, cache_bytes, zero_copy):
+        need = _layer_hold_slots(policy, fp) * fp.slab_bytes
+        raise PolicyError(f"micro_batches={count} keeps each layer's experts on the device until its last "
+                          f"micro-batch: expert_cache={format_bytes(cache_bytes)}{where} holds "
+                          f"{cache_bytes // max(fp.slab_bytes, 1)} experts, a layer has up to "
+                          f"{max(fp.layer_experts, default=0)}"
+                          f"{' beside the resident layers' if int(policy.resident_layers) else ''}; use at least "
+                          f"expert_cache={need}, or micro_batches=1")
+    return count
+
+
+def _layer_hold_slots(policy: OffloadPolicy, fp: Footprint) -> int:
+    """Slots a micro-batched layer may pin at once: all its experts, plus the resident layers' for good."""
+    layers = int(policy.resident_layers)
+    return max(fp.layer_experts, default=fp.top_k) + sum(fp.layer_experts[:layers])
+
+
+def _holds_a_layer(policy: OffloadPolicy, fp: Footprint, store: str, cache_bytes: int, zero_copy: bool) -> bool:
+    if zero_copy or (policy.expert_compute == "cpu" and store == "cpu"):
+        return True
+    return cache_bytes // max(fp.slab_bytes, 1) >= _layer_hold_slots(policy, fp)
 
 
 def _auto_device() -> torch.device:

@@ -134,6 +134,9 @@ class ExpertCache:
         self.ahead: list[Key] = []           # streaming: the next layer's experts to load, in order
         self.current_layer = 0               # the layer being computed (victims are chosen as seen from it)
         self._loaded_this_pass: set[Key] = set()
+        self._held: list[Key] = []           # pins kept for the layer's later micro-batches (`fetch(hold=True)`)
+        self._holding = False                # the running fetch holds its pins
+        self._hold_layer: int | None = None  # its layer: none of its experts leaves before `release_held`
         # On CUDA a wait does not block the host, the compute stream does: stalls are timed there, by an event
         # pair around each wait, and added to the stats once both events have run.
         self._device_stalls: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -143,7 +146,7 @@ class ExpertCache:
     # -- public -------------------------------------------------------------------------------------------------
 
     def fetch(self, layer: int, experts: Sequence[int], on_pinned: Callable[[], None] | None = None,
-              tokens: Sequence[int] | None = None) -> Iterator[tuple[int, torch.Tensor]]:
+              tokens: Sequence[int] | None = None, hold: bool = False) -> Iterator[tuple[int, torch.Tensor]]:
         """Yield (expert, flat slab on the device) for each expert, resident ones first; an expert computed on the
         CPU (`expert_compute`) comes as a flat slab in host memory instead.
 
@@ -151,6 +154,12 @@ class ExpertCache:
         later layers without evicting anything this layer needs. `tokens[i]`: how many tokens `experts[i]` serves
         (what `expert_compute="auto"` weighs; None: one each). The cache's lock is held until the generator is
         exhausted or closed.
+
+        `hold=True` (a micro-batch other than its layer's last, `microbatch.py`): every expert served stays pinned
+        after use, and no other expert of the layer is evicted, so no later micro-batch of the layer reads one
+        again, until `release_held()`. Experts of a disk
+        store are then copied to the device rather than computed on the CPU from a host buffer (which a later
+        micro-batch would read again).
         """
         if self.zero_copy:
             if on_pinned is not None:
@@ -160,7 +169,25 @@ class ExpertCache:
                 yield e, self.store.host_slab(layer, e)
             return
         with self.lock:
-            yield from self._fetch_locked(layer, experts, on_pinned, tokens)
+            self._holding = hold
+            if hold:
+                self._hold_layer = layer
+            try:
+                yield from self._fetch_locked(layer, experts, on_pinned, tokens)
+            finally:
+                self._holding = False
+
+    def release_held(self) -> None:
+        """Drop the pins `fetch(hold=True)` kept: the layer's last micro-batch is done (or failed)."""
+        with self.lock:
+            for key in list(self._held):
+                self._unpin(key, self._held)
+            self._hold_layer = None
+
+    @property
+    def held(self) -> int:
+        """Pins kept for later micro-batches now."""
+        return len(self._held)
 
     def begin_pass(self, window: int | None, ahead_room: int | None = None) -> None:
         """A forward pass starts: `window` bounds its loads in flight (None: no bound, on-demand schedule);
@@ -238,7 +265,7 @@ class ExpertCache:
                 on_pinned()
             for key in landed:
                 yield key[1], self.memory[self.resident[key].index][:numel]
-                self._unpin(key, pinned)
+                self._done_with(key, pinned)
                 self._top_up(pending, issued, pinned, served=0)
             if on_cpu:                           # while the copies of this layer's other misses are in flight
                 yield from self._compute_on_cpu(on_cpu, tokens_of, pending, issued, pinned)
@@ -251,7 +278,7 @@ class ExpertCache:
                 key = self._first_arrived(issued, done)
                 self._wait(self.resident[key])
                 yield key[1], self.memory[self.resident[key].index][:numel]
-                self._unpin(key, pinned)
+                self._done_with(key, pinned)
                 self._top_up(pending, issued, pinned, served=done + 1)
         finally:
             # Done, or an exception mid-layer: let in-flight loads land, drop our pins; the cache stays consistent.
@@ -266,6 +293,8 @@ class ExpertCache:
         """Whether missing expert `key` with `tokens` tokens computes on the CPU instead of being copied."""
         if self.expert_compute == "device" or key[0] < self.resident_layers:
             return False                         # (a resident layer's expert is missing only after a failed read)
+        if self._holding and not self.store.in_host_memory:
+            return False                         # a host buffer is not kept for the layer's next micro-batch
         if self.expert_compute == "cpu":
             return True
         nbytes, numel = self.store.slab_bytes(key[0]), self.store.layouts[key[0]].numel
@@ -456,6 +485,8 @@ class ExpertCache:
     def _evictable(self, slot: Slot, speculative_for: int | None) -> bool:
         if slot.pins or slot.load is not None:
             return False
+        if slot.key[0] == self._hold_layer:      # a later micro-batch of this layer may route to it
+            return False
         if speculative_for is None:
             return True
         if slot.prefetched:
@@ -554,6 +585,14 @@ class ExpertCache:
         pinned.append(key)
         self.eviction.on_use(key)
         self.recency.touch(key)
+
+    def _done_with(self, key: Key, pinned: list[Key]) -> None:
+        """The consumer moved past `key`: unpin it, or keep the pin for the layer's next micro-batch."""
+        if self._holding and key in self.resident:
+            pinned.remove(key)
+            self._held.append(key)
+        else:
+            self._unpin(key, pinned)
 
     def _unpin(self, key: Key, pinned: list[Key]) -> None:
         pinned.remove(key)

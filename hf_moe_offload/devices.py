@@ -39,7 +39,7 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from .auto import Footprint, ResolvedPolicy, _free_bytes, _headroom, _workload, resolve
+from .auto import Footprint, ResolvedPolicy, _free_bytes, _headroom, _workload, resolve, resolve_micro_batches
 from .cache import ExpertCache
 from .eviction import make_eviction
 from .layout import MoELayer
@@ -364,6 +364,9 @@ def _budgets(policy: OffloadPolicy, fp: Footprint, primary: torch.device, layers
                               f"expert_cache (at most {format_bytes(room)} on {d}) or raise max_memory")
     if policy.expert_cache == AUTO:
         _check_shares(policy, fp, sum(budgets[d] for d in slotted), {d: 1 for d in slotted}, budgets, auto=True)
+    for d in slotted:     # micro-batches pin a layer's experts in the cache of that layer's device
+        resolve_micro_batches(resolved.policy, fp, physical[d], store, resolved.policy.attention, budgets[d], False,
+                              where=f" (its share on {d})")
     return resolved, budgets
 
 
@@ -451,9 +454,18 @@ class CacheGroup:
         """A copy engine (its meter: measured read bandwidth); the first device's that copies."""
         return next((c.copy for c in self.caches.values() if c.copy is not None), None)
 
-    def fetch(self, layer: int, experts: Sequence[int], on_pinned=None, tokens: Sequence[int] | None = None):
+    def fetch(self, layer: int, experts: Sequence[int], on_pinned=None, tokens: Sequence[int] | None = None,
+              hold: bool = False):
         self._computing = self.by_layer[layer]
-        return self.by_layer[layer].fetch(layer, experts, on_pinned, tokens)
+        return self.by_layer[layer].fetch(layer, experts, on_pinned, tokens, hold)
+
+    def release_held(self) -> None:
+        for cache in self.caches.values():
+            cache.release_held()
+
+    @property
+    def held(self) -> int:
+        return sum(cache.held for cache in self.caches.values())
 
     def begin_pass(self, window: int | None, ahead_room: int | None = None) -> None:
         with self.lock:

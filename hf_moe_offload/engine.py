@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, Sequence
 import torch
 from torch import nn
 
+from . import microbatch
 from .arch import MoEArch
 from .cache import ExpertCache
 from .hooks import HookHandle, LayerHook
@@ -58,7 +59,9 @@ class LayerRuntime:
                 hook.on_pinned(index)
 
         layout = self.engine.store.layouts[index]     # the store's: quantized slabs give `QuantizedWeight`s
-        for expert, slab in self.engine.cache.fetch(index, experts, on_pinned if hooks else None, tokens):
+        micro_batch = microbatch.current()
+        hold = micro_batch is not None and not micro_batch.last   # later micro-batches of this layer reuse them
+        for expert, slab in self.engine.cache.fetch(index, experts, on_pinned if hooks else None, tokens, hold):
             yield expert, layout.views(slab)
         for hook in hooks:
             hook.on_layer_done(index)
@@ -89,6 +92,7 @@ class OffloadEngine:
         self.prefetcher = None    # the HashPrefetcher hook when the policy names a predictor
         self._state_dict_hooks: list = []
         self.on_detach: list[Callable[[], None]] = []   # clean-ups owned by whoever attached (e.g. a spill dir)
+        self.micro_batched: microbatch.MicroBatchedLayers | None = None   # policy.micro_batches > 1
 
     @classmethod
     def attach(cls, model: nn.Module, policy: OffloadPolicy, arch: MoEArch, layers: list[MoELayer],
@@ -125,6 +129,11 @@ class OffloadEngine:
             engine.add_hook(StreamPlanner(engine))     # per-pass schedule: on demand, or streamed in forward order
         for layer, runtime in zip(layers, engine.runtimes):
             arch.attach(model, layer, runtime)
+        count = int(policy.micro_batches) if policy.micro_batches != "auto" else 1
+        if count > 1:
+            engine.micro_batched = microbatch.MicroBatchedLayers.attach(
+                model, microbatch.decoder_layers(model, [layer.name for layer in layers]), count,
+                on_split=stats.record_micro_batching, on_end=getattr(cache, "release_held", None))
         engine._guard_model()
         setattr(model, ENGINE_ATTR, engine)
         where = policy.device if devices is None else ", ".join(
@@ -217,6 +226,9 @@ class OffloadEngine:
         del self.model._apply
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.disable_compile = self._disable_compile_before
+        if self.micro_batched is not None:
+            self.micro_batched.detach()
+            self.micro_batched = None
         for layer in self.layers:
             self.arch.detach(self.model, layer)
         self.cache.close()

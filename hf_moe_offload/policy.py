@@ -140,6 +140,16 @@ class OffloadPolicy:
         metadata={"help": "Slots a streamed layer may have loading or landed-unused at once (the rest keep resident "
                           f'experts); "auto": {DEFAULT_STREAM_WINDOW}.'},
     )
+    micro_batches: int | str = field(
+        default=AUTO,
+        metadata={"help": "Each decoder layer with offloaded experts runs its batch as this many slices, one after "
+                          "the other, and keeps the layer's experts on the device until the last slice has used "
+                          "them: every expert is read once per pass and serves every slice (FlexGen's zig-zag, "
+                          "Klotski's multi-batch, MoE-Lightning's CGOPipe). On a GPU with attention='cpu', one "
+                          "slice's CPU attention runs while the device computes the previous slice's experts. "
+                          "Needs a cache holding one layer's experts; exact. \"auto\": 2 on a GPU with CPU "
+                          "attention where the cache holds a layer's experts, else 1 (off)."},
+    )
 
     quantize: str = field(
         default="none",
@@ -214,6 +224,7 @@ class OffloadPolicy:
         if self.schedule not in SCHEDULES:
             raise PolicyError(f"schedule={self.schedule!r} is not allowed; allowed: {list(SCHEDULES)}")
         self.stream_window = parse_count("stream_window", self.stream_window)
+        self.micro_batches = parse_count("micro_batches", self.micro_batches)
         if self.prefetch not in PREFETCHERS:
             raise PolicyError(f"prefetch={self.prefetch!r} is not allowed; allowed: {list(PREFETCHERS)}")
         if self.quantize not in QUANTIZATIONS:
@@ -239,6 +250,10 @@ class OffloadPolicy:
         needs_predictor = [f"{name}={value!r}" for name, value in (("prefetch", self.prefetch),
                                                                   ("routing", self.routing))
                            if value in ("hash", "predicted")]
+        if self.micro_batches not in (AUTO, 1) and needs_predictor:
+            raise PolicyError(f"micro_batches={self.micro_batches} cannot run with {' and '.join(needs_predictor)}: "
+                              f"the predictor names experts for the whole batch's tokens, a micro-batch holds some "
+                              f"of them; use micro_batches=1")
         if needs_predictor and not self.predictor:
             raise PolicyError(f"{' and '.join(needs_predictor)} needs a predictor: set predictor='<directory "
                               f"written by scripts/train_hash.py>'")

@@ -32,6 +32,7 @@ from collections import deque
 import torch
 import torch.nn.functional as F
 
+from . import microbatch
 from .eviction import LookAhead
 from .hooks import LayerHook
 
@@ -230,18 +231,26 @@ class StreamPlanner(LayerHook):
 
     def before_experts(self, layer: int, hidden_states: torch.Tensor) -> None:
         last = getattr(self._local, "last_layer", None)
-        if last is None or layer <= last or self.stack[layer] != self.stack[last]:
-            self._begin_pass(layer, tokens=hidden_states.shape[0])
+        micro_batch = microbatch.current()
+        later_slice = micro_batch is not None and micro_batch.index > 0     # same layer, same pass
+        if not later_slice and (last is None or layer <= last or self.stack[layer] != self.stack[last]):
+            tokens = micro_batch.total_tokens if micro_batch is not None else hidden_states.shape[0]
+            self._begin_pass(layer, tokens=tokens)
         self._local.last_layer = layer
         nxt = self.next_in_stack.get(layer)
         if nxt is None:
             return
         streaming = self._local.streaming
         read = streaming or self._local.reading
-        score = self.gate is not None and not streaming
+        # Guesses are scored against the next layer's routing of the same rows: not across micro-batches.
+        score = self.gate is not None and not streaming and micro_batch is None
         if not (read or score or self.eviction is not None):
             return
         likely = self.likely_experts(nxt, hidden_states)
+        if micro_batch is not None:     # the layer's slices so far name the next layer's experts together
+            earlier = self._local.__dict__.get("slice_guesses", {}).get(nxt, []) if later_slice else []
+            likely = earlier + [e for e in likely if e not in earlier]
+            self._local.slice_guesses = {nxt: likely}
         if score:   # what a read-ahead would read: the first top-k guesses that are not resident
             top_k = self.layers[nxt].top_k
             self._local.guesses[nxt] = {e for e in likely[:top_k] if (nxt, e) not in self.cache.resident}
@@ -305,6 +314,9 @@ class StreamPlanner(LayerHook):
 
     def on_layer_done(self, layer: int) -> None:
         timing = getattr(self._local, "timing", None)
+        micro_batch = microbatch.current()
+        if micro_batch is not None and not micro_batch.last:
+            return
         if timing is not None and layer == self.last_of_stack[self.stack[layer]]:
             schedule, tokens, start = timing
             self.counters.record_pass_time(schedule, tokens, time.perf_counter() - start)

@@ -17,6 +17,8 @@
   `lookahead_exposure`: the measured share of a demand read that compute waited for (what a right guess can hide);
   `lookahead_trial`: whether reading ahead, once the precision allows it, measurably lowered the stall per pass
   (alternating blocks of passes with reads off and on: verdict "trial", "on" or "off", and both mean stalls);
+- `micro_batches`: decoder-layer calls run as micro-batches (`split`) or, with `micro_batches` > 1 in the policy,
+  as one whole batch (`whole`: a single sequence, training, recorded outputs, a cache that cannot be split);
 - `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape);
   `measured`: per schedule, the passes timed (first MoE layer's start to the last one's end), seconds per pass and
   tokens per second: what `hf-moe-offload plan` predicts, measured;
@@ -81,6 +83,7 @@ class OffloadStats:
             self.passes: dict[str, int] = {}     # forward passes per schedule ("on_demand", "stream")
             self.pass_time: dict[str, list] = {}  # schedule -> [passes timed, tokens, seconds] (first to last MoE layer)
             self.last_schedule: str | None = None
+            self.micro_batches = {"split": 0, "whole": 0}   # micro-batched decoder-layer calls, and whole ones
             self.peak_cache_bytes = self.resident_bytes   # the peak from now on starts at what is resident
             for entry in self._device_bytes.values():
                 entry[1] = entry[0]
@@ -134,6 +137,10 @@ class OffloadStats:
             timed[0] += 1
             timed[1] += tokens
             timed[2] += seconds
+
+    def record_micro_batching(self, split: bool) -> None:
+        with self._lock:
+            self.micro_batches["split" if split else "whole"] += 1
 
     def record_pass(self, schedule: str) -> None:
         with self._lock:
@@ -208,6 +215,7 @@ class OffloadStats:
                                         "tokens_per_s": tokens / secs if secs > 0 else 0.0}
                              for schedule, (n, tokens, secs) in self.pass_time.items()},
                 "last_schedule": self.last_schedule,
+                "micro_batches": dict(self.micro_batches),
                 "resident_bytes": self.resident_bytes,
                 "peak_cache_bytes": self.peak_cache_bytes,
                 "cache_capacity_bytes": self.capacity_bytes,
