@@ -43,8 +43,13 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from .attention import HostLayer, HostSlidingWindowLayer
+
 logger = logging.getLogger(__name__)
 
+# Cache layers whose `update` is the only write a decoder layer makes (subclasses add their own: indexer keys,
+# convolution and recurrent states, which a slice would write for its rows only).
+SPLITTABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, HostLayer, HostSlidingWindowLayer)
 BATCH_KWARGS = ("attention_mask", "position_ids", "position_embeddings")   # sliced along the batch
 SHARED_KWARGS = ("past_key_values", "use_cache", "cache_position")          # the same for every slice
 RECORDED_OUTPUTS = ("output_attentions", "output_router_logits")            # recorded per module call
@@ -151,7 +156,7 @@ def cache_refusal(cache: Any) -> str | None:
     kinds = [type(layer) for layer in cache.layers]
     if cache.layer_class_to_replicate is not None:
         kinds.append(cache.layer_class_to_replicate)
-    other = sorted({k.__name__ for k in kinds if not issubclass(k, (DynamicLayer, DynamicSlidingWindowLayer))})
+    other = sorted({k.__name__ for k in kinds if k not in SPLITTABLE_LAYERS})
     return f"its cache has {other} layers" if other else None
 
 
