@@ -769,3 +769,31 @@ def test_device_map_auto_with_max_memory_on_a_gpu_keeps_tokens(tiny_models):
     assert cache.device == torch.device("cuda:0")
     assert torch.equal(_generate(model, ids, mask), expected)
     assert 0 < hf_moe_offload.stats(model)["peak_cache_bytes"] <= cache.num_slots * cache.slot_bytes
+
+
+# -- micro-batches on the GPU (issue 8 part 2) ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+@pytest.mark.parametrize("attention", ["cpu", "device"])
+def test_micro_batches_on_the_gpu_keep_tokens_and_read_each_expert_once(tiny_models, store, attention):
+    """micro_batches=2 on cuda:0, with CPU attention (the CGOPipe overlap) and without: resident tokens, every
+    decoder layer split, no expert read twice in a pass, every held pin given back."""
+    path = tiny_models["mixtral"]
+    ids, mask = _ids(batch=5, left_pad=True)
+    expected = _generate(_resident("mixtral", path), ids, mask)
+    model = _on_gpu("mixtral", path, store=store, expert_cache="60%", attention=attention, micro_batches=2)
+    assert torch.equal(_generate(model, ids, mask), expected)
+    snap = hf_moe_offload.stats(model)
+    assert snap["micro_batches"]["split"] > 0 and snap["micro_batches"]["whole"] == 0
+    assert snap["repeat_reads"] == 0 and snap["misses"] > 0
+    assert hf_moe_offload.get_engine(model).cache.held == 0
+
+
+def test_auto_micro_batches_with_cpu_attention_on_the_gpu(tiny_models):
+    """attention='cpu' on a GPU with a cache holding a layer: micro_batches='auto' resolves to 2, same tokens."""
+    path = tiny_models["mixtral"]
+    ids, mask = _ids(batch=4, left_pad=True)
+    expected = _generate(_resident("mixtral", path), ids, mask)
+    model = _on_gpu("mixtral", path, store="cpu", expert_cache="60%", attention="cpu")
+    assert hf_moe_offload.get_engine(model).policy.micro_batches == 2
+    assert torch.equal(_generate(model, ids, mask), expected)
