@@ -147,8 +147,8 @@ class OffloadPolicy:
                           "them: every expert is read once per pass and serves every slice (FlexGen's zig-zag, "
                           "Klotski's multi-batch, MoE-Lightning's CGOPipe). On a GPU with attention='cpu', one "
                           "slice's CPU attention runs while the device computes the previous slice's experts. "
-                          "Needs a cache holding one layer's experts; exact. \"auto\": 2 on a GPU with CPU "
-                          "attention where the cache holds a layer's experts, else 1 (off)."},
+                          "Needs a cache holding one layer's experts (a smaller resident set: more bytes per pass); "
+                          "exact. \"auto\": 1 (off) until the overlap is measured on a GPU."},
     )
 
     quantize: str = field(
