@@ -134,9 +134,11 @@ class ExpertCache:
         self.ahead: list[Key] = []           # streaming: the next layer's experts to load, in order
         self.current_layer = 0               # the layer being computed (victims are chosen as seen from it)
         self._loaded_this_pass: set[Key] = set()
-        self._held: list[Key] = []           # pins kept for the layer's later micro-batches (`fetch(hold=True)`)
-        self._holding = False                # the running fetch holds its pins
-        self._hold_layer: int | None = None  # its layer: none of its experts leaves before `release_held`
+        # Micro-batches (`fetch(hold=True)`), per generating thread: the pins kept for the layer's later slices,
+        # and that layer, none of whose experts leaves before the thread's `release_held`.
+        self._held: dict[int, list[Key]] = {}
+        self._hold_layers: dict[int, int] = {}
+        self._holding = False                # the running fetch (under the lock) holds its pins
         # On CUDA a wait does not block the host, the compute stream does: stalls are timed there, by an event
         # pair around each wait, and added to the stats once both events have run.
         self._device_stalls: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = []
@@ -171,23 +173,25 @@ class ExpertCache:
         with self.lock:
             self._holding = hold
             if hold:
-                self._hold_layer = layer
+                self._hold_layers[threading.get_ident()] = layer
             try:
                 yield from self._fetch_locked(layer, experts, on_pinned, tokens)
             finally:
                 self._holding = False
 
     def release_held(self) -> None:
-        """Drop the pins `fetch(hold=True)` kept: the layer's last micro-batch is done (or failed)."""
+        """Drop the pins this thread's `fetch(hold=True)` kept: its layer's last micro-batch is done (or failed)."""
         with self.lock:
-            for key in list(self._held):
-                self._unpin(key, self._held)
-            self._hold_layer = None
+            thread = threading.get_ident()
+            held = self._held.pop(thread, [])
+            for key in list(held):
+                self._unpin(key, held)
+            self._hold_layers.pop(thread, None)
 
     @property
     def held(self) -> int:
-        """Pins kept for later micro-batches now."""
-        return len(self._held)
+        """Pins kept for later micro-batches now, over all threads."""
+        return sum(len(keys) for keys in self._held.values())
 
     def begin_pass(self, window: int | None, ahead_room: int | None = None) -> None:
         """A forward pass starts: `window` bounds its loads in flight (None: no bound, on-demand schedule);
@@ -485,7 +489,7 @@ class ExpertCache:
     def _evictable(self, slot: Slot, speculative_for: int | None) -> bool:
         if slot.pins or slot.load is not None:
             return False
-        if slot.key[0] == self._hold_layer:      # a later micro-batch of this layer may route to it
+        if slot.key[0] in self._hold_layers.values():   # a later micro-batch of that layer may route to it
             return False
         if speculative_for is None:
             return True
@@ -590,7 +594,7 @@ class ExpertCache:
         """The consumer moved past `key`: unpin it, or keep the pin for the layer's next micro-batch."""
         if self._holding and key in self.resident:
             pinned.remove(key)
-            self._held.append(key)
+            self._held.setdefault(threading.get_ident(), []).append(key)
         else:
             self._unpin(key, pinned)
 

@@ -19,6 +19,9 @@ How, without patching a model class:
   pinned until the last slice (`ExpertCache.fetch(hold=True)`, then `release_held`) and the stream planner counts
   one pass, not one per slice.
 
+Several threads generating on one model take turns per split layer call (a cache sized for one layer's hold has
+no room for two); the held pins are each thread's own.
+
 The whole batch runs in one call (no slicing) when: a single sequence; gradients are on (training); the pass asks
 for attentions or router logits (recorded per module call); its cache is not a `DynamicCache` of full or
 sliding-window layers (paged, static, quantized, linear-attention caches).
@@ -176,6 +179,9 @@ class MicroBatchedLayers:
         self._originals: list[tuple[nn.Module, Any]] = []
         self._pre_hook = None
         self._warned: set[str] = set()
+        # One thread at a time runs a split layer: each holds a layer's experts in the cache until its last slice,
+        # and a cache sized for one layer's hold has no room for two.
+        self._turn = threading.Lock()
 
     @classmethod
     def attach(cls, model: nn.Module, layers: Sequence[nn.Module], count: int,
@@ -218,12 +224,18 @@ class MicroBatchedLayers:
             return forward(*args, **kwargs)
         if self.on_split is not None:
             self.on_split(True)
-        slices = bounds(hidden.shape[0], self.count)
+        with self._turn:
+            return self._run_slices(forward, args, kwargs, hidden)
+
+    def _run_slices(self, forward: Callable, args: tuple, kwargs: dict, hidden: torch.Tensor) -> Any:
+        """The layer once per slice of the batch, each with its rows of the batch-shaped inputs and its view of
+        the cache; the outputs joined. The engine's `on_end` runs after the last slice, or a failure."""
         batch = hidden.shape[0]
-        total_tokens = hidden.shape[0] * hidden.shape[1] if hidden.dim() > 2 else hidden.shape[0]
+        slices = bounds(batch, self.count)
+        total_tokens = batch * hidden.shape[1] if hidden.dim() > 2 else batch
+        cache = kwargs.get("past_key_values")
         pending: dict = {}
         outputs = []
-        cache = kwargs.get("past_key_values")
         try:
             for i, rows in enumerate(slices):
                 _local.micro_batch = MicroBatch(i, len(slices), total_tokens)

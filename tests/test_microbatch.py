@@ -64,7 +64,7 @@ def test_a_micro_batched_pass_reads_each_expert_once_and_counts_as_one_pass(tiny
     forget = cache._forget
 
     def watching_forget(slot):
-        if cache._hold_layer is not None and slot.key[0] == cache._hold_layer:
+        if slot.key[0] in cache._hold_layers.values():
             evicted_while_held.append(slot.key)
         return forget(slot)
 
@@ -201,3 +201,31 @@ def test_the_default_policy_does_not_micro_batch_on_the_cpu(tiny_models):
     model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache=HOLDS_A_LAYER)
     assert hf_moe_offload.get_engine(model).policy.micro_batches == 1
     assert all("forward" not in vars(layer) for layer in model.model.layers)
+
+
+def test_two_threads_generating_with_micro_batches_get_their_own_tokens(tiny_models):
+    """Held pins belong to the thread that holds them: two callers slicing their batches on one model at once get
+    what each gets alone, and every pin is given back."""
+    import threading
+
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICY, micro_batches=2)
+    prompts = [token_inputs(batch=3 + i, length=6, seed=10 + i, left_pad=True) for i in range(2)]
+    expected = [_generate(model, ids, mask).sequences for ids, mask in prompts]
+    results, errors = {}, []
+
+    def run(i):
+        try:
+            for _ in range(2):
+                results[i] = _generate(model, *prompts[i]).sequences
+        except BaseException as err:  # noqa: BLE001 - reported below
+            errors.append(err)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert all(torch.equal(results[i], expected[i]) for i in range(2))
+    assert hf_moe_offload.get_engine(model).cache.held == 0
+    assert hf_moe_offload.stats(model)["repeat_reads"] == 0
