@@ -248,7 +248,7 @@ class StreamPlanner(LayerHook):
             return
         likely = self.likely_experts(nxt, hidden_states)
         if micro_batch is not None:     # the layer's slices so far name the next layer's experts together
-            earlier = self._local.__dict__.get("slice_guesses", {}).get(nxt, []) if later_slice else []
+            earlier = getattr(self._local, "slice_guesses", {}).get(nxt, []) if later_slice else []
             likely = earlier + [e for e in likely if e not in earlier]
             self._local.slice_guesses = {nxt: likely}
         if score:   # what a read-ahead would read: the first top-k guesses that are not resident
