@@ -46,6 +46,21 @@ EXPOSURE_MIN_MISSES = 8         # demand misses between two exposure measurement
 HEAVY_PASS_ROWS = 64            # rows per expert from which a streamed pass doubles its window (`pass_window`)
 
 
+def pass_window(window: int, tokens: int, top_k: int, num_experts: int) -> int:
+    """A streamed pass's window: `window` (the policy's `stream_window`), doubled when each expert gets at least
+    `HEAVY_PASS_ROWS` rows. The window admits a new read only once an expert has computed, so where an expert's
+    compute takes about as long as its read (a batch-8 prefill of 512 tokens) a window of 2 keeps the disk busy
+    only 40-78% of each layer; a window of 4 ran that prefill 13-33% faster for 5% more bytes, while decode passes
+    (a few rows per expert: the reads dominate) gained nothing from it (docs/benchmarks.md).
+
+    Example:
+        >>> pass_window(2, tokens=8, top_k=2, num_experts=8), pass_window(2, tokens=512, top_k=2, num_experts=8)
+        (2, 4)
+    """
+    rows = tokens * top_k / max(num_experts, 1)
+    return window * 2 if window and rows >= HEAVY_PASS_ROWS else window
+
+
 def expected_experts(tokens: int, num_experts: int, top_k: int) -> float:
     """Distinct experts a pass of `tokens` tokens touches in one layer if routing were uniform."""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
@@ -304,13 +319,8 @@ class StreamPlanner(LayerHook):
         self._local.timing = ("stream" if streaming else "on_demand", tokens, time.perf_counter())
 
     def pass_window(self, tokens: int, moe) -> int:
-        """The streamed pass's window: `stream_window`, doubled when each expert gets at least `HEAVY_PASS_ROWS`
-        rows. The window admits a new read only once an expert has computed, so where an expert's compute takes
-        about as long as its read (a batch-8 prefill of 512 tokens) a window of 2 keeps the disk busy only 40-78%
-        of each layer; a window of 4 ran that prefill 13-33% faster for 5% more bytes, while decode passes (a few
-        rows per expert: the reads dominate) gained nothing from it (docs/benchmarks.md)."""
-        rows = tokens * moe.top_k / max(moe.num_experts, 1)
-        return self.window * 2 if self.window and rows >= HEAVY_PASS_ROWS else self.window
+        """The streamed pass's window (module function `pass_window`)."""
+        return pass_window(self.window, tokens, moe.top_k, moe.num_experts)
 
     def on_layer_done(self, layer: int) -> None:
         timing = getattr(self._local, "timing", None)
