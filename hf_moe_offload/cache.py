@@ -281,6 +281,9 @@ class ExpertCache:
                                            f"({self.num_slots} slots, all pinned)")
                 key = self._first_arrived(issued, done)
                 self._wait(self.resident[key])
+                # The expert leaves the stream window as it starts computing, so the next read starts now: admitted
+                # only after the compute, each read waited 1/window of an expert's compute with the disk idle.
+                self._top_up(pending, issued, pinned, served=done + 1)
                 yield key[1], self.memory[self.resident[key].index][:numel]
                 self._done_with(key, pinned)
                 self._top_up(pending, issued, pinned, served=done + 1)

@@ -74,6 +74,23 @@ def test_read_ahead_never_evicts_what_the_next_layer_needs():
     assert all((1, e) in cache.resident for e in range(4))  # (1, 3) came in without evicting (1, 0..2)
 
 
+@pytest.mark.parametrize("window", [1, 2])
+def test_the_window_admits_the_next_read_as_an_expert_starts_computing(window):
+    """An expert leaves the stream window when it is handed to compute, not when its compute ends: while the
+    consumer holds expert i, the loads of the next `window` experts are already issued (a read that waited for
+    the compute left the disk idle for part of every expert's compute)."""
+    store = LayeredStore(num_layers=1, num_experts=6)
+    cache = ExpertCache(store, torch.device("cpu"), 6 * NUMEL * 4, "layer", OffloadStats(1, 0))
+    cache.begin_pass(window)
+    served = []
+    for e, slab in cache.fetch(0, list(range(6))):
+        served.append(e)
+        issued = {key[1] for key in cache.resident}
+        assert len(issued - set(served)) == min(window, 6 - len(served)), (served, issued)
+        assert torch.all(slab == e)
+    assert sorted(served) == list(range(6)) and len(store.reads) == 6
+
+
 @pytest.mark.parametrize("window", [1, 2, 4])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_streamed_batches_give_the_unpatched_tokens_within_budget(tiny_models, family, window):
