@@ -177,7 +177,7 @@ class MicroBatchedLayers:
         self.on_split = on_split          # called once per wrapped layer call: True when it was split
         self.on_end = on_end              # called after a split call's last slice, or its failure
         self._originals: list[tuple[nn.Module, Any]] = []
-        self._pre_hook = None
+        self._pre_hooks: list = []
         self._warned: set[str] = set()
         # One thread at a time runs a split layer: each holds a layer's experts in the cache until its last slice,
         # and a cache sized for one layer's hold has no room for two.
@@ -188,7 +188,9 @@ class MicroBatchedLayers:
                on_split: Callable[[bool], None] | None = None, on_end: Callable[[], None] | None = None
                ) -> "MicroBatchedLayers":
         self = cls(model, layers, count, on_split, on_end)
-        self._pre_hook = model.register_forward_pre_hook(self._note_outputs, with_kwargs=True)
+        # On the model and its base model: either may be called with output_router_logits / output_attentions.
+        for module in dict.fromkeys([model, getattr(model, "base_model", model)]):
+            self._pre_hooks.append(module.register_forward_pre_hook(self._note_outputs, with_kwargs=True))
         for layer in self.layers:
             own = vars(layer).get("forward")       # an instance forward (accelerate's hook) or None (the class's)
             self._originals.append((layer, own))
@@ -202,14 +204,16 @@ class MicroBatchedLayers:
             else:
                 layer.forward = own
         self._originals.clear()
-        if self._pre_hook is not None:
-            self._pre_hook.remove()
-            self._pre_hook = None
+        for hook in self._pre_hooks:
+            hook.remove()
+        self._pre_hooks.clear()
 
     def _note_outputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         """Model forward pre-hook: whether this pass records per-module outputs (which slicing would multiply)."""
         config = getattr(module, "config", None)
-        _local.recording = any(kwargs.get(name, getattr(config, name, False)) for name in RECORDED_OUTPUTS)
+        recording = any(kwargs.get(name, getattr(config, name, False)) for name in RECORDED_OUTPUTS)
+        if module is self.model or recording:     # the outer call decides; an inner one may only add a request
+            _local.recording = recording
 
     def _forward(self, forward: Callable, *args: Any, **kwargs: Any) -> Any:
         hidden = args[0] if args else kwargs.get("hidden_states")

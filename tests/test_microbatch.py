@@ -229,3 +229,29 @@ def test_two_threads_generating_with_micro_batches_get_their_own_tokens(tiny_mod
     assert all(torch.equal(results[i], expected[i]) for i in range(2))
     assert hf_moe_offload.get_engine(model).cache.held == 0
     assert hf_moe_offload.stats(model)["repeat_reads"] == 0
+
+
+def test_encoder_decoder_layers_run_whole_and_exact(tiny_models):
+    """Switch Transformers' blocks take encoder states and an encoder-decoder cache this schedule does not split:
+    every call runs whole, with the unpatched tokens."""
+    path = tiny_models["switch_transformers"]
+    ids, mask = token_inputs(batch=4, length=7, left_pad=True)
+    want = reference("switch_transformers", path).generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
+                                                            do_sample=False)
+    model = offloaded("switch_transformers", path, device="cpu", store="disk", expert_cache="60%", micro_batches=2)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), want)
+    snap = hf_moe_offload.stats(model)
+    assert snap["micro_batches"]["split"] == 0 and snap["micro_batches"]["whole"] > 0
+
+
+def test_a_base_model_call_recording_router_logits_runs_whole(tiny_models):
+    path = tiny_models["mixtral"]
+    ids, mask = token_inputs(batch=4, length=6)
+    model = offloaded("mixtral", path, **POLICY, micro_batches=2)
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)                       # an outer call that splits
+        got = model.model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+        want = reference("mixtral", path).model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+    assert len(got.router_logits) == len(want.router_logits)
+    for a, b in zip(got.router_logits, want.router_logits):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
