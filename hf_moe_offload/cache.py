@@ -159,9 +159,8 @@ class ExpertCache:
 
         `hold=True` (a micro-batch other than its layer's last, `microbatch.py`): every expert served stays pinned
         after use, and no other expert of the layer is evicted, so no later micro-batch of the layer reads one
-        again, until `release_held()`. Experts of a disk
-        store are then copied to the device rather than computed on the CPU from a host buffer (which a later
-        micro-batch would read again).
+        again, until `release_held()`. Experts of a disk store are then copied to the device rather than computed
+        on the CPU from a host buffer (which a later micro-batch would read again).
         """
         if self.zero_copy:
             if on_pinned is not None:
