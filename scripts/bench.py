@@ -64,6 +64,9 @@ Example:
     # GPU smoke run (2 layers, 16-token prompts, 4 new tokens, 16 GiB cap)
     #   -> benchmarks/results/gpu_mixtral8x7b_<gpu name>_quick.{json,png}
     HF_HUB_OFFLINE=1 python scripts/bench.py --device cuda --quick
+    # GPU, issue 8's large batches: CPU attention, whole batch against two micro-batches (CGOPipe's overlap)
+    HF_HUB_OFFLINE=1 python scripts/bench.py --device cuda --stores cpu --caps-gib 16 --batch-sizes 64 128 256 \
+        --systems accelerate hf_moe_offload_layer hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2
 """
 
 from __future__ import annotations
@@ -99,7 +102,9 @@ QUANTIZATIONS = ("int8", "int4")
 DENSE_SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_layer")
 # Opt-in rows (--systems ...): look-ahead eviction; quantized experts at the dense rows' byte budget (more experts fit).
 EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", *(f"hf_moe_offload_{q}_same_bytes" for q in QUANTIZATIONS),
-                 "hf_moe_offload_cpu_compute", "hf_moe_offload_auto_compute")   # expert_compute: for --device cuda
+                 "hf_moe_offload_cpu_compute", "hf_moe_offload_auto_compute",    # expert_compute: for --device cuda
+                 # CPU attention, whole batch or in two micro-batches (CGOPipe's overlap): for --device cuda
+                 "hf_moe_offload_cpu_attention", "hf_moe_offload_cpu_attention_mb2")
 SYSTEMS = (*DENSE_SYSTEMS, *(f"hf_moe_offload_{q}" for q in QUANTIZATIONS), *EXTRA_SYSTEMS)  # quantized: --quantize
 OURS_POLICY = {"device": "cpu", "store": "disk", "expert_cache": "25%", "eviction": "lru"}
 # hf_moe_offload systems: the issue's policy (LRU) and the same with the library's default layer-aware eviction;
@@ -111,7 +116,12 @@ POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLIC
             "hf_moe_offload_lookahead": {**OURS_POLICY, "eviction": "lookahead"},
             # A missing expert computes on the CPU from the host copy ("cpu"), or where the measured costs say ("auto").
             "hf_moe_offload_cpu_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "cpu"},
-            "hf_moe_offload_auto_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "auto"}}
+            "hf_moe_offload_auto_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "auto"},
+            # Keys and values in host memory, attention on the CPU; with micro_batches=2 one half's attention runs
+            # while the device computes the other half's experts.
+            "hf_moe_offload_cpu_attention": {**OURS_POLICY, "eviction": "layer", "attention": "cpu"},
+            "hf_moe_offload_cpu_attention_mb2": {**OURS_POLICY, "eviction": "layer", "attention": "cpu",
+                                                 "micro_batches": 2}}
 MiB, GiB = 2**20, 2**30
 MARKER = "bench_model.json"
 MAX_GPU_LAYERS = 32            # Mixtral-8x7B has 32
