@@ -48,10 +48,11 @@ HEAVY_PASS_ROWS = 64            # rows per expert from which a streamed pass dou
 
 def pass_window(window: int, tokens: int, top_k: int, num_experts: int) -> int:
     """A streamed pass's window: `window` (the policy's `stream_window`), doubled when each expert gets at least
-    `HEAVY_PASS_ROWS` rows. The window admits a new read only once an expert has computed, so where an expert's
-    compute takes about as long as its read (a batch-8 prefill of 512 tokens) a window of 2 keeps the disk busy
-    only 40-78% of each layer; a window of 4 ran that prefill 13-33% faster for 5% more bytes, while decode passes
-    (a few rows per expert: the reads dominate) gained nothing from it (docs/benchmarks.md).
+    `HEAVY_PASS_ROWS` rows. Measured when an expert left the window only once its compute had ended: where an
+    expert's compute took about as long as its read (a batch-8 prefill of 512 tokens) a window of 2 kept the disk
+    busy only 40-78% of each layer, and a window of 4 ran that prefill 13-33% faster for 5% more bytes, while
+    decode passes (a few rows per expert: the reads dominate) gained nothing from it. An expert now leaves the
+    window as its compute starts; the doubling has not been measured again since (docs/benchmarks.md).
 
     Example:
         >>> pass_window(2, tokens=8, top_k=2, num_experts=8), pass_window(2, tokens=512, top_k=2, num_experts=8)
