@@ -177,7 +177,7 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
                           f"top_k={fp.top_k} x {format_bytes(fp.slab_bytes)} per expert = "
                           f"{format_bytes(fp.min_cache_bytes)}; use at least expert_cache={fp.min_cache_bytes}")
     window = DEFAULT_STREAM_WINDOW if policy.stream_window == AUTO else policy.stream_window
-    micro_batches = resolve_micro_batches(policy, fp, device, store, attention, cache, zero_copy)
+    micro_batches = resolve_micro_batches(policy, fp, store, cache, zero_copy)
     resolved = dataclasses.replace(policy, device=str(device), store=store, expert_cache=cache,
                                    max_batch_size=batch, max_seq_len=seq_len, stream_window=window,
                                    attention=attention, micro_batches=micro_batches)
@@ -191,8 +191,8 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     return ResolvedPolicy(resolved, cache)
 
 
-def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, device: torch.device, store: str, attention: str,
-                          cache_bytes: int, zero_copy: bool, where: str = "") -> int:
+def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, store: str, cache_bytes: int, zero_copy: bool,
+                          where: str = "") -> int:
     """`micro_batches` as a number. "auto" is 1 (off): the slices pay only where one slice's host attention
     overlaps the previous slice's device experts (a GPU with CPU attention), they cost bytes (a layer's experts
     stay in the cache until its last slice, so the resident set is smaller; +12% bytes per step at batch 32 on the
@@ -202,8 +202,7 @@ def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, device: torch.de
 
     Example:
         >>> fp = Footprint(expert_bytes=64 << 10, slab_bytes=1 << 10, resident_bytes=0, top_k=2, layer_experts=(8,) * 8)
-        >>> resolve_micro_batches(OffloadPolicy(micro_batches=2), fp, torch.device("cpu"), "disk", "device",
-        ...                       16 << 10, False)
+        >>> resolve_micro_batches(OffloadPolicy(micro_batches=2), fp, "disk", 16 << 10, False)
         2
     """
     if policy.micro_batches == AUTO:
@@ -215,14 +214,15 @@ def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, device: torch.de
         raise PolicyError(f"micro_batches={count} with expert_compute='cpu' and store='disk' would read every expert "
                           f"once per micro-batch (experts computed on the CPU are read into reused host buffers); "
                           f"use store='cpu', expert_compute='auto' or 'device', or micro_batches=1")
-    if not _holds_a_layer(policy, fp, store, cache_bytes, zero_copy):
-        need = _layer_hold_slots(policy, fp) * fp.slab_bytes
+    if policy.expert_compute == "cpu" and store == "cpu":     # nothing but the resident layers is copied
+        return count
+    slots, need = cache_bytes // max(fp.slab_bytes, 1), _layer_hold_slots(policy, fp)
+    if slots < need:
         raise PolicyError(f"micro_batches={count} keeps each layer's experts on the device until its last "
-                          f"micro-batch: expert_cache={format_bytes(cache_bytes)}{where} holds "
-                          f"{cache_bytes // max(fp.slab_bytes, 1)} experts, a layer has up to "
-                          f"{max(fp.layer_experts, default=0)}"
+                          f"micro-batch: expert_cache={format_bytes(cache_bytes)}{where} holds {slots} experts, a "
+                          f"layer has up to {max(fp.layer_experts, default=0)}"
                           f"{' beside the resident layers' if int(policy.resident_layers) else ''}; use at least "
-                          f"expert_cache={need}, or micro_batches=1")
+                          f"expert_cache={need * fp.slab_bytes}, or micro_batches=1")
     return count
 
 
@@ -231,11 +231,6 @@ def _layer_hold_slots(policy: OffloadPolicy, fp: Footprint) -> int:
     layers = int(policy.resident_layers)
     return max(fp.layer_experts, default=fp.top_k) + sum(fp.layer_experts[:layers])
 
-
-def _holds_a_layer(policy: OffloadPolicy, fp: Footprint, store: str, cache_bytes: int, zero_copy: bool) -> bool:
-    if zero_copy or (policy.expert_compute == "cpu" and store == "cpu"):
-        return True
-    return cache_bytes // max(fp.slab_bytes, 1) >= _layer_hold_slots(policy, fp)
 
 
 def _auto_device() -> torch.device:

@@ -365,8 +365,7 @@ def _budgets(policy: OffloadPolicy, fp: Footprint, primary: torch.device, layers
     if policy.expert_cache == AUTO:
         _check_shares(policy, fp, sum(budgets[d] for d in slotted), {d: 1 for d in slotted}, budgets, auto=True)
     for d in slotted:     # micro-batches pin a layer's experts in the cache of that layer's device
-        resolve_micro_batches(resolved.policy, fp, physical[d], store, resolved.policy.attention, budgets[d], False,
-                              where=f" (its share on {d})")
+        resolve_micro_batches(resolved.policy, fp, store, budgets[d], False, where=f" (its share on {d})")
     return resolved, budgets
 
 

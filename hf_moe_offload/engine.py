@@ -129,11 +129,10 @@ class OffloadEngine:
             engine.add_hook(StreamPlanner(engine))     # per-pass schedule: on demand, or streamed in forward order
         for layer, runtime in zip(layers, engine.runtimes):
             arch.attach(model, layer, runtime)
-        count = int(policy.micro_batches) if policy.micro_batches != "auto" else 1
-        if count > 1:
+        if int(policy.micro_batches) > 1:         # resolved: "auto" is a number by now
             engine.micro_batched = microbatch.MicroBatchedLayers.attach(
-                model, microbatch.decoder_layers(model, [layer.name for layer in layers]), count,
-                on_split=stats.record_micro_batching, on_end=getattr(cache, "release_held", None))
+                model, microbatch.decoder_layers(model, [layer.name for layer in layers]), int(policy.micro_batches),
+                on_split=stats.record_micro_batching, on_end=cache.release_held)
         engine._guard_model()
         setattr(model, ENGINE_ATTR, engine)
         where = policy.device if devices is None else ", ".join(

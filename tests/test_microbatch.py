@@ -186,15 +186,13 @@ def test_cpu_compute_from_disk_is_refused_with_micro_batches(tiny_models):
 
 def test_auto_leaves_micro_batches_off_and_explicit_counts_are_checked_per_budget():
     fp = Footprint(expert_bytes=64 << 10, slab_bytes=1 << 10, resident_bytes=0, top_k=2, layer_experts=(8,) * 8)
-    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
-    assert resolve_micro_batches(OffloadPolicy(), fp, cuda, "cpu", "cpu", 16 << 10, False) == 1
-    assert resolve_micro_batches(OffloadPolicy(micro_batches=3), fp, cpu, "disk", "device", 8 << 10, False) == 3
+    assert resolve_micro_batches(OffloadPolicy(), fp, "cpu", 16 << 10, False) == 1
+    assert resolve_micro_batches(OffloadPolicy(micro_batches=3), fp, "disk", 8 << 10, False) == 3
     with pytest.raises(PolicyError, match="holds 7 experts, a layer has up to 8.*expert_cache=8192"):
-        resolve_micro_batches(OffloadPolicy(micro_batches=3), fp, cpu, "disk", "device", 7 << 10, False)
+        resolve_micro_batches(OffloadPolicy(micro_batches=3), fp, "disk", 7 << 10, False)
     with pytest.raises(PolicyError, match="beside the resident layers.*expert_cache=16384"):
-        resolve_micro_batches(OffloadPolicy(micro_batches=2, resident_layers=1), fp, cpu, "disk", "device",
-                              12 << 10, False)
-    assert resolve_micro_batches(OffloadPolicy(micro_batches=2), fp, cpu, "cpu", "device", 0, True) == 2
+        resolve_micro_batches(OffloadPolicy(micro_batches=2, resident_layers=1), fp, "disk", 12 << 10, False)
+    assert resolve_micro_batches(OffloadPolicy(micro_batches=2), fp, "cpu", 0, True) == 2
 
 
 def test_the_default_policy_does_not_micro_batch_on_the_cpu(tiny_models):
