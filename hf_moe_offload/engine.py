@@ -47,7 +47,7 @@ class LayerRuntime:
         resident experts first; close it when done early. `hidden_states` [tokens, hidden] is the layer's input,
         shown to the hooks (read-ahead uses it); `tokens[i]`: rows routed to `experts[i]` (expert_compute="auto")."""
         index, hooks = self.layer.index, self.engine.hooks
-        self.engine.stats.record_forward(index, len(experts))
+        self.engine.stats.record_forward(index, experts)
         if hidden_states is not None:
             for hook in hooks:
                 hook.before_experts(index, hidden_states)

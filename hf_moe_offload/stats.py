@@ -17,6 +17,8 @@
   `lookahead_exposure`: the measured share of a demand read that compute waited for (what a right guess can hide);
   `lookahead_trial`: whether reading ahead, once the precision allows it, measurably lowered the stall per pass
   (alternating blocks of passes with reads off and on: verdict "trial", "on" or "off", and both mean stalls);
+- `per_layer[i]["expert_calls"]`: per expert of layer i, the layer calls that routed at least one token to it (which
+  experts are hot; differences between two snapshots give the experts a step touched);
 - `micro_batches`: decoder-layer calls run as micro-batches (`split`) or, with `micro_batches` > 1 in the policy,
   as one whole batch (`whole`: a single sequence, training, recorded outputs, a cache that cannot be split);
 - `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape);
@@ -38,7 +40,7 @@ Example:
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Callable, Sequence
 
 PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "experts_used",
              "cpu_computed", "cpu_compute_s", "cpu_bytes_read",
@@ -79,6 +81,7 @@ class OffloadStats:
     def reset(self) -> None:
         with self._lock:
             self.layer = {name: [0] * self.num_layers for name in PER_LAYER}
+            self.expert_calls: list[list[int]] = [[] for _ in range(self.num_layers)]   # grown on first use
             self.forward_calls = 0
             self.passes: dict[str, int] = {}     # forward passes per schedule ("on_demand", "stream")
             self.pass_time: dict[str, list] = {}  # schedule -> [passes timed, tokens, seconds] (first to last MoE layer)
@@ -165,9 +168,15 @@ class OffloadStats:
         with self._lock:
             self.layer["cpu_compute_s"][layer] += seconds
 
-    def record_forward(self, layer: int, experts_used: int) -> None:
+    def record_forward(self, layer: int, experts: Sequence[int]) -> None:
+        """A call of `layer` routed tokens to `experts` (distinct ids)."""
         with self._lock:
-            self.layer["experts_used"][layer] += experts_used
+            self.layer["experts_used"][layer] += len(experts)
+            calls = self.expert_calls[layer]
+            if experts and max(experts) >= len(calls):
+                calls.extend([0] * (max(experts) + 1 - len(calls)))
+            for expert in experts:
+                calls[expert] += 1
             if layer == 0:
                 self.forward_calls += 1
 
@@ -224,7 +233,8 @@ class OffloadStats:
                 "lookahead_break_even": self.lookahead_break_even,
                 "lookahead_exposure": self.lookahead_exposure,
                 "lookahead_trial": dict(self.lookahead_trial) if self.lookahead_trial else None,
-                "per_layer": [{name: self.layer[name][i] for name in PER_LAYER} for i in range(self.num_layers)],
+                "per_layer": [{**{name: self.layer[name][i] for name in PER_LAYER},
+                               "expert_calls": list(self.expert_calls[i])} for i in range(self.num_layers)],
             }
             if self.devices:
                 data["devices"] = {device: self._device_snapshot(device, layers)

@@ -35,7 +35,8 @@ What it does, in one invocation:
    per token`` where the bandwidth is the slowest link the bytes cross (disk when evicted, pinned H2D on CUDA).
    Issue 8's bound per row: batch / max(the resident row's step time at that batch, bytes that must move per step
    / store-like bandwidth), where hf_moe_offload must move its resident-set floor ((experts the step touched -
-   cache slots) x expert bytes, from its own routing); disk bytes per step beside that floor; speed vs accelerate.
+   cache slots) x expert bytes, from its own routing); disk bytes per step beside that floor and beside the best
+   fixed resident set's (the cache's slots filled with the experts touched in the most steps); speed vs accelerate.
 6. With ``--cb-prompts N`` (``--throughput``: 128): transformers' ``generate_batch`` over N mixed-length prompts vs
    static-batch ``generate`` in batches of ``--cb-static-batch``, per system (skipped with its reason when the
    attention implementation cannot do continuous batching).
@@ -795,6 +796,7 @@ def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
         d["read_clock_bytes"] = last["read_clock_bytes"] - first["read_clock_bytes"]
     lookups = d["hits"] + d["misses"] + d["cpu_computed"]
     used = [s["experts_used"] for s in probe.stats]
+    touched = [touched_between(a, b) for a, b in zip(probe.stats, probe.stats[1:])]
     return {
         "decode": d,
         "decode_hit_rate": d["hits"] / lookups if lookups else float("nan"),
@@ -802,10 +804,23 @@ def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
         "prefill": {k: first[k] for k in ("hits", "misses", "bytes_to_device", "stall_s")},
         "prefill_experts_used": used[0],
         "decode_step_experts_used": [b - a for a, b in zip(used, used[1:])],
+        "decode_step_experts_touched": touched,     # [layer, expert] pairs per step (None: engine before the counter)
         "cache_capacity_bytes": last["cache_capacity_bytes"],
         "peak_cache_bytes": last["peak_cache_bytes"],
         "schedule": {k: last[k] for k in SCHEDULE_KEYS if k in last},     # whole generate (prefill + decode)
     }
+
+
+def touched_between(before: dict, after: dict) -> list[list[int]] | None:
+    """The [layer, expert] pairs routed to between two stats snapshots (`per_layer[i]["expert_calls"]`; None for a
+    library version without that counter)."""
+    pairs = []
+    for layer, (a, b) in enumerate(zip(before["per_layer"], after["per_layer"])):
+        if "expert_calls" not in b:
+            return None
+        start = a.get("expert_calls", [])
+        pairs += [[layer, e] for e, n in enumerate(b["expert_calls"]) if n > (start[e] if e < len(start) else 0)]
+    return pairs
 
 
 def read_clock(model) -> dict[str, float]:
@@ -1239,9 +1254,39 @@ def add_ceilings(results: list[dict], disk_bytes_per_s: float) -> None:
 
 
 def resident_set_floor(experts_touched: int, cache_slots: int, one_expert_bytes: int) -> int:
-    """Bytes a pass must read if the cache held a fixed resident set: each touched expert beyond the cache's slots,
-    once (for a pass that touches every expert: (1 - cache share) x expert bytes)."""
+    """Bytes a pass must read at least: each touched expert beyond the cache's slots, once (for a pass that touches
+    every expert: (1 - cache share) x expert bytes, what a fixed resident set reads). A pass that leaves experts
+    untouched is held to a resident set re-chosen for it, for free: a lower bound no cache reaches there
+    (`fixed_set_floor` is the best fixed set's)."""
     return max(0, experts_touched - cache_slots) * one_expert_bytes
+
+
+def fixed_set_floor(steps_touched: list[list[list[int]]], cache_slots: int, one_expert_bytes: int) -> list[int]:
+    """Bytes each step must read if the cache held the best FIXED resident set for the whole run: the `cache_slots`
+    experts touched in the most steps (chosen with hindsight). Each step reads its touched experts outside that set.
+    Between `resident_set_floor` (a set re-chosen every step, for free) and (1 - cache share) x expert bytes (every
+    expert touched every step): at small batches a step leaves some experts untouched, resident ones included.
+
+    Example:
+        >>> fixed_set_floor([[[0, 0], [0, 1]], [[0, 0], [0, 2]]], cache_slots=1, one_expert_bytes=10)
+        [10, 10]
+    """
+    counts: dict[tuple[int, int], int] = {}
+    for pairs in steps_touched:
+        for layer, expert in pairs:
+            counts[layer, expert] = counts.get((layer, expert), 0) + 1
+    kept = set(sorted(counts, key=lambda key: (-counts[key], key))[:cache_slots])
+    return [sum((layer, expert) not in kept for layer, expert in pairs) * one_expert_bytes for pairs in steps_touched]
+
+
+def fixed_floors(r: dict, one_expert_bytes: int) -> list[int] | None:
+    """An hf_moe_offload row's fixed-resident-set floor per decode step (None: not recorded)."""
+    ours = r.get("ours") or {}
+    touched = ours.get("decode_step_experts_touched")
+    if not touched:
+        return None
+    one_expert_bytes = ours.get("expert_bytes", one_expert_bytes)
+    return fixed_set_floor(touched, ours["cache_capacity_bytes"] // one_expert_bytes, one_expert_bytes)
 
 
 def floors(r: dict, one_expert_bytes: int) -> tuple[list[int], int] | None:
@@ -1321,6 +1366,9 @@ def add_bounds(results: list[dict], one_expert_bytes: int, store_bytes_per_s: fl
         found = floors(r, one_expert_bytes)
         r["floor_bytes_per_step"] = statistics.fmean(found[0]) if found else None
         r["bytes_over_floor"] = r["decode_read_bytes"] / sum(found[0]) if found and sum(found[0]) else None
+        fixed = fixed_floors(r, one_expert_bytes)
+        r["fixed_floor_bytes_per_step"] = statistics.fmean(fixed) if fixed else None
+        r["bytes_over_fixed_floor"] = r["decode_read_bytes"] / sum(fixed) if fixed and sum(fixed) else None
         acc = same_setting(results, r, "accelerate")
         r["vs_accelerate"] = r["decode_tok_s"] / acc["decode_tok_s"] if acc and acc is not r else None
         r["prefill_vs_accelerate"] = r["prefill_tok_s"] / acc["prefill_tok_s"] \
@@ -1348,7 +1396,7 @@ def markdown_table(results: list[dict]) -> str:
     read bandwidth)); I/O ceiling: the older per-token one (sequential bandwidth / bytes moved per token)."""
     header = ("| system | store | cap GiB | batch | load s | prefill tok/s | prefill / bound | decode tok/s | "
               "bound tok/s | decode / bound | decode / bound at median bw | vs accelerate | I/O ceiling tok/s | "
-              "disk MB/step | floor MB/step | disk / floor | disk busy | GB/s while busy | disk MB/token | moved MB/token | hit rate | peak RSS GiB | peak device GiB | "
+              "disk MB/step | floor MB/step | disk / floor | disk / fixed-set floor | disk busy | GB/s while busy | disk MB/token | moved MB/token | hit rate | peak RSS GiB | peak device GiB | "
               "greedy tokens = ref | other CPU load |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in sorted(results, key=row_order):
@@ -1369,7 +1417,8 @@ def markdown_table(results: list[dict]) -> str:
             fmt(bound.get("decode_tok_s"), ".2f"), ratio(bound.get("decode_over_bound")),
             ratio(bound.get("decode_over_median_bound")), ratio(r.get("vs_accelerate")),
             fmt(r["io_ceiling_tok_s"], ".2f"), mb(r.get("read_bytes_per_step")), mb(r.get("floor_bytes_per_step")),
-            ratio(r.get("bytes_over_floor")), fmt(busy.get("read_busy_share"), ".0%"),
+            ratio(r.get("bytes_over_floor")), ratio(r.get("bytes_over_fixed_floor")),
+            fmt(busy.get("read_busy_share"), ".0%"),
             fmt(busy["read_bytes_per_busy_s"] / 1e9 if busy.get("read_bytes_per_busy_s") else None, ".2f"),
             f"{r['read_bytes_per_token'] / 1e6:.1f}",
             mb(r["must_move_bytes_per_token"]), fmt(ours["decode_hit_rate"] if ours else None, ".0%"),

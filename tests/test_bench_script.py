@@ -161,7 +161,11 @@ def test_bound_is_computed_and_within_what_the_tiny_run_allows(tiny_run):
     assert ours["vs_accelerate"] == pytest.approx(ours["decode_tok_s"] / accelerate["decode_tok_s"])
     table = bench.markdown_table(report["results"])
     assert "| bound tok/s | decode / bound | decode / bound at median bw | vs accelerate |" in table
-    assert "| disk / floor | disk busy | GB/s while busy |" in table
+    assert "| disk / floor | disk / fixed-set floor | disk busy | GB/s while busy |" in table
+    # The tiny run's routing gives the fixed-set floor: at least the per-step one, each step's touched experts listed.
+    touched = ours["ours"]["decode_step_experts_touched"]
+    assert [len(p) for p in touched] == ours["ours"]["decode_step_experts_used"]
+    assert ours["fixed_floor_bytes_per_step"] >= ours["floor_bytes_per_step"]
     busy = ours["ours"]["decode"]
     assert 0 < busy["read_busy_share"] <= 1.05 and busy["read_clock_bytes"] == busy["bytes_to_device"]
     assert ours["bound"]["decode_over_median_bound"] >= ours["bound"]["decode_over_bound"]
@@ -177,6 +181,26 @@ def test_resident_set_floor_on_a_hand_made_example():
                                                 "cache_capacity_bytes": 16 * one + one // 2}}   # 16.5 slots: 16
     assert bench.floors(row, one) == ([48 * one, 4 * one, 0], 48 * one)
     assert bench.floors({"system": "hf_moe_offload", "ours": {}}, one) is None     # runs saved before routing
+
+
+def test_fixed_set_floor_keeps_the_experts_touched_in_most_steps():
+    """At a small batch a step leaves experts untouched; the best fixed resident set holds the experts touched most
+    often, and each step reads its touched experts outside it. Never below the per-step floor."""
+    steps = [[[0, 0], [0, 1], [1, 3]], [[0, 0], [1, 2], [1, 3]], [[0, 0], [0, 1]]]
+    # 2 slots: expert (0, 0) touched 3 times, then (0, 1) and (1, 3) twice each (ties: lowest key kept).
+    assert bench.fixed_set_floor(steps, cache_slots=2, one_expert_bytes=10) == [10, 20, 0]
+    per_step = [bench.resident_set_floor(len(p), 2, 10) for p in steps]
+    assert per_step == [10, 10, 0] and all(f >= p for f, p in zip([10, 20, 0], per_step))
+    row = {"ours": {"decode_step_experts_touched": steps, "cache_capacity_bytes": 25}}
+    assert bench.fixed_floors(row, one_expert_bytes=10) == [10, 20, 0]
+    assert bench.fixed_floors({"ours": {}}, one_expert_bytes=10) is None        # runs saved before the counter
+
+
+def test_touched_between_reads_the_expert_call_counters():
+    before = {"per_layer": [{"expert_calls": [1, 0]}, {"expert_calls": []}]}
+    after = {"per_layer": [{"expert_calls": [1, 2]}, {"expert_calls": [0, 0, 1]}]}
+    assert bench.touched_between(before, after) == [[0, 1], [1, 2]]
+    assert bench.touched_between(before, {"per_layer": [{}, {}]}) is None
 
 
 def test_generate_batch_row_ran_or_says_why(tiny_run):

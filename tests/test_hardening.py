@@ -258,6 +258,9 @@ def test_a_layer_hook_sees_every_routing_decision_and_can_be_removed(tiny_models
     snap = hf_moe_offload.stats(model)
     assert [layer for layer, _ in recorder.routed] == recorder.done == [0, 1]
     assert sum(len(e) for _, e in recorder.routed) == snap["experts_used"] == snap["hits"] + snap["misses"]
+    for layer, experts in recorder.routed:          # which experts each layer call touched, per expert
+        calls = snap["per_layer"][layer]["expert_calls"]
+        assert sorted(e for e, n in enumerate(calls) for _ in range(n)) == sorted(experts)
     handle.remove()
     with torch.no_grad():
         model(_ids())
