@@ -80,6 +80,9 @@ class EvictionPolicy:
     def on_use(self, key: Key) -> None:
         """`key` was pinned for compute or prefetch."""
 
+    def on_route(self, layer: int, experts: Sequence[int]) -> None:
+        """A call of `layer` routed tokens to `experts` (whether or not they were resident)."""
+
     def choose(self, candidates: Sequence[Key], layer: int) -> Key:
         """The victim among `candidates` (non-empty, least recently used first) to make room for `layer`."""
         return candidates[0]
@@ -132,6 +135,63 @@ class LayerAware(EvictionPolicy):
             key = next((k for k in index.of_layer(j) if evictable(k)), None)
             if key is not None:
                 return key
+        return None
+
+
+class HotFirst(LayerAware):
+    """The streamed passes' order (Klotski's hot experts): the layer whose next use is furthest, as `LayerAware`,
+    and within it the coldest expert, so that the hottest experts stay resident across passes and the others stream
+    through the window. Heat: how often the layer's recent calls routed to the expert, each call weighing
+    `HEAT_DECAY` times the one after it (a routing drift moves the resident set within tens of passes).
+
+    Only a layer's `HEAT_CANDIDATES` least recently used evictable experts are weighed, so that a layer of hundreds
+    of experts costs no more per eviction than one of eight. LRU among equals (untouched experts lose heat and come
+    first in LRU order).
+
+    Example:
+        >>> policy = HotFirst(num_layers=2)
+        >>> for _ in range(3): policy.on_route(0, [0, 1])
+        >>> policy.on_route(0, [1, 2])
+        >>> policy.choose([(0, 0), (0, 1), (0, 2)], layer=0)   # expert 2 was routed to once: coldest
+        (0, 2)
+    """
+
+    name = "hot"
+    HEAT_DECAY = 0.9
+    HEAT_CANDIDATES = 16
+
+    def __init__(self, num_layers: int) -> None:
+        super().__init__(num_layers)
+        self.calls = [0] * num_layers                   # calls of each layer so far
+        self.heat: dict[Key, tuple[float, int]] = {}    # key -> (heat at its last routing, the layer's call then)
+
+    def on_route(self, layer: int, experts: Sequence[int]) -> None:
+        self.calls[layer] += 1
+        now = self.calls[layer]
+        for e in experts:
+            key = (layer, int(e))
+            heat, then = self.heat.get(key, (0.0, now))
+            self.heat[key] = (heat * self.HEAT_DECAY ** (now - then) + 1.0, now)
+
+    def hotness(self, key: Key) -> float:
+        heat, then = self.heat.get(key, (0.0, 0))
+        return heat * self.HEAT_DECAY ** (self.calls[key[0]] - then)
+
+    def choose(self, candidates: Sequence[Key], layer: int) -> Key:
+        furthest = max((k[0] - layer - 1) % self.num_layers for k in candidates)
+        same = [k for k in candidates if (k[0] - layer - 1) % self.num_layers == furthest]
+        return min(same[:self.HEAT_CANDIDATES], key=self.hotness)   # min keeps the least recent of equals
+
+    def select(self, index: RecencyIndex, layer: int, evictable: Callable[[Key], bool]) -> Key | None:
+        for j in self.layers_furthest_first(layer):
+            candidates = []
+            for key in index.of_layer(j):
+                if evictable(key):
+                    candidates.append(key)
+                    if len(candidates) == self.HEAT_CANDIDATES:
+                        break
+            if candidates:
+                return min(candidates, key=self.hotness)
         return None
 
 

@@ -5,7 +5,8 @@ pipeline, FlexGen's block schedule, brought to the per-expert cache).
   eviction policy decides what stays. Nothing is read speculatively.
 - **stream** (a pass expected to touch most experts: prefill, batches of 8 and more, lm-eval batches): every
   expert is needed about once per pass, in forward order. The layer's loads are bounded by a small window of
-  slots, so the rest of the cache holds a stable resident set (read zero times per pass) instead of churning, and
+  slots, so the rest of the cache holds a stable resident set of the hottest experts (read zero times per pass;
+  `eviction.HotFirst`) instead of churning, and
   while layer l computes, layer l+1's likely experts (its router applied to layer l's input: "look-ahead") are read
   into the window in forward order, most-routed first. Exact: each layer's own router still decides; a wrong guess
   costs bytes, never tokens.

@@ -61,6 +61,47 @@ def test_streaming_reads_each_non_resident_expert_once_per_pass_and_fewer_than_o
     assert sum(streamed) < sum(on_demand), (streamed, on_demand)
 
 
+def _skewed_passes(stream_eviction, passes=60, layers=4, experts=8, slots=10, window=2, hot=2, share=0.5):
+    """Streamed passes in which each layer routes to its `hot` experts every time and to each other expert with
+    probability `share` (a batch too small to touch every expert, and skewed routing, as in trained MoEs). Mean
+    reads per pass after a warm-up, and the best fixed resident set's reads (its `slots` most used experts)."""
+    import random
+    from collections import Counter
+
+    rng = random.Random(0)
+    routes = [[[e for e in range(experts) if e < hot or rng.random() < share] for _ in range(layers)]
+              for _ in range(passes)]
+    store = LayeredStore(layers, experts)
+    cache = ExpertCache(store, torch.device("cpu"), slots * NUMEL * 4, "layer", OffloadStats(layers, 0))
+    cache.stream_eviction = stream_eviction(layers)
+    reads = []
+    for route in routes:
+        before = len(store.reads)
+        cache.begin_pass(window)
+        for layer in range(layers):
+            if layer + 1 < layers:
+                cache.read_ahead(layer + 1, route[layer + 1])
+            for e, slab in cache.fetch(layer, route[layer]):
+                assert torch.all(slab == 100 * layer + e)
+        reads.append(len(store.reads) - before)
+    uses = Counter((layer, e) for route in routes[10:] for layer, used in enumerate(route) for e in used)
+    kept = {key for key, _ in uses.most_common(slots)}
+    floor = sum(n for key, n in uses.items() if key not in kept) / len(routes[10:])
+    return sum(reads[10:]) / len(reads[10:]), floor
+
+
+def test_streamed_passes_keep_the_hot_experts_resident():
+    """Which experts stay across passes is decided by heat (Klotski's hot experts), not by recency: the layer's least
+    recent expert is one it computed first, a resident one, so recency rotated the resident set every pass."""
+    from hf_moe_offload.eviction import HotFirst, LayerAware
+
+    hot, floor = _skewed_passes(HotFirst)
+    recent, _ = _skewed_passes(LayerAware)
+    assert hot < 0.95 * recent, (hot, recent)
+    # Above the best fixed set: the window's 2 slots and the computing one (loads land in a varying order: +0.5).
+    assert hot <= floor + 2 + 1 + 0.5, (hot, floor)
+
+
 def test_read_ahead_never_evicts_what_the_next_layer_needs():
     store = LayeredStore(num_layers=2, num_experts=4)
     cache = ExpertCache(store, torch.device("cpu"), 6 * NUMEL * 4, "layer", OffloadStats(2, 0))
