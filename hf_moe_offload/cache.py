@@ -96,7 +96,7 @@ class ExpertCache:
         # A streamed pass visits every layer in forward order, so what is needed furthest away is known: the
         # layer-aware order, whatever policy serves the on-demand passes; within a layer the coldest expert leaves,
         # so the hottest stay resident (the layer's least recent rotated the resident set every pass: with skewed
-        # routing, 5-17% more reads in tests/test_streaming.py's simulation; a tie with uniform routing).
+        # routing, 3-18% more reads in tests/test_streaming.py's simulation; a tie with uniform routing).
         self.stream_eviction = HotFirst(num_layers=len(store.layouts))
         self.zero_copy = can_zero_copy if zero_copy is None else zero_copy
         self.slot_numel = max(lay.numel for lay in store.layouts)

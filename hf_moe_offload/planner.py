@@ -43,7 +43,7 @@ import torch
 from .auto import CUDA_HEADROOM_FLOOR, Footprint
 from .policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
 from .profile import MachineProfile
-from .schedule import STREAM_SHARE, expected_experts, pass_window
+from .schedule import STREAM_SHARE, expected_experts
 
 logger = logging.getLogger(__name__)
 
@@ -319,8 +319,7 @@ def pass_time(shape: ModelShape, profile: MachineProfile, cand: Candidate, devic
     per_layer_bytes = None if read_bytes_per_pass is None else read_bytes_per_pass / shape.layers
     cost = layer_cost(shape, profile, cand, device, store, tokens, sequences, context, schedule, decode,
                       per_layer_bytes)
-    window = pass_window(cand.stream_window, tokens, shape.top_k, shape.experts)   # as the engine widens it
-    total, exposed, compute = pipeline_seconds(cost, shape.layers, schedule, window)
+    total, exposed, compute = pipeline_seconds(cost, shape.layers, schedule, cand.stream_window)
     if device == "cuda":
         total += matmul_seconds(sequences, shape.head_params, (profile.device_flops / 8, profile.device_flops))
     else:

@@ -44,25 +44,6 @@ EVICTION_LOOKAHEAD_LAYERS = 2   # eviction="lookahead": the routers of this many
 MIN_HIT_SAVES = 0.05            # the measured exposure never drops the gate's hit_saves below this
 EXPOSURE_EWMA = 0.2             # weight of a new exposure measurement
 EXPOSURE_MIN_MISSES = 8         # demand misses between two exposure measurements
-HEAVY_PASS_ROWS = 64            # rows per expert from which a streamed pass doubles its window (`pass_window`)
-
-
-def pass_window(window: int, tokens: int, top_k: int, num_experts: int) -> int:
-    """A streamed pass's window: `window` (the policy's `stream_window`), doubled when each expert gets at least
-    `HEAVY_PASS_ROWS` rows. Measured when an expert left the window only once its compute had ended: where an
-    expert's compute took about as long as its read (a batch-8 prefill of 512 tokens) a window of 2 kept the disk
-    busy only 40-78% of each layer, and a window of 4 ran that prefill 13-33% faster for 5% more bytes, while
-    decode passes (a few rows per expert: the reads dominate) gained nothing from it. An expert now leaves the
-    window as its compute starts; the doubling has not been measured again since (docs/benchmarks.md).
-
-    Example:
-        >>> pass_window(2, tokens=8, top_k=2, num_experts=8), pass_window(2, tokens=512, top_k=2, num_experts=8)
-        (2, 4)
-    """
-    rows = tokens * top_k / max(num_experts, 1)
-    return window * 2 if window and rows >= HEAVY_PASS_ROWS else window
-
-
 def expected_experts(tokens: int, num_experts: int, top_k: int) -> float:
     """Distinct experts a pass of `tokens` tokens touches in one layer if routing were uniform."""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)
@@ -314,15 +295,11 @@ class StreamPlanner(LayerHook):
         self._local.reading = self._reads_this_pass(streaming)   # decided once per pass: room and reads agree
         self._local.guesses = {}
         if streaming:
-            self.cache.begin_pass(self.pass_window(tokens, moe))
+            self.cache.begin_pass(self.window)
         else:   # on demand; while reading ahead, room for the next layer's top-k guesses
             self.cache.begin_pass(None, ahead_room=moe.top_k if self._local.reading else 0)
         self.counters.record_pass("stream" if streaming else "on_demand")
         self._local.timing = ("stream" if streaming else "on_demand", tokens, time.perf_counter())
-
-    def pass_window(self, tokens: int, moe) -> int:
-        """The streamed pass's window (module function `pass_window`)."""
-        return pass_window(self.window, tokens, moe.top_k, moe.num_experts)
 
     def on_layer_done(self, layer: int) -> None:
         timing = getattr(self._local, "timing", None)
