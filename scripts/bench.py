@@ -797,6 +797,8 @@ def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
     lookups = d["hits"] + d["misses"] + d["cpu_computed"]
     used = [s["experts_used"] for s in probe.stats]
     touched = [touched_between(a, b) for a, b in zip(probe.stats, probe.stats[1:])]
+    if any(step is None for step in touched):      # a library version without the per-expert counter
+        touched = None
     return {
         "decode": d,
         "decode_hit_rate": d["hits"] / lookups if lookups else float("nan"),
@@ -804,7 +806,7 @@ def summarize_ours(probe: StepProbe, decode_tokens: int) -> dict[str, Any]:
         "prefill": {k: first[k] for k in ("hits", "misses", "bytes_to_device", "stall_s")},
         "prefill_experts_used": used[0],
         "decode_step_experts_used": [b - a for a, b in zip(used, used[1:])],
-        "decode_step_experts_touched": touched,     # [layer, expert] pairs per step (None: engine before the counter)
+        "decode_step_experts_touched": touched,     # [layer, expert] pairs per step (None: library without the counter)
         "cache_capacity_bytes": last["cache_capacity_bytes"],
         "peak_cache_bytes": last["peak_cache_bytes"],
         "schedule": {k: last[k] for k in SCHEDULE_KEYS if k in last},     # whole generate (prefill + decode)
