@@ -232,7 +232,6 @@ def _layer_hold_slots(policy: OffloadPolicy, fp: Footprint) -> int:
     return max(fp.layer_experts, default=fp.top_k) + sum(fp.layer_experts[:layers])
 
 
-
 def _auto_device() -> torch.device:
     return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 

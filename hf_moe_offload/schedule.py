@@ -44,6 +44,8 @@ EVICTION_LOOKAHEAD_LAYERS = 2   # eviction="lookahead": the routers of this many
 MIN_HIT_SAVES = 0.05            # the measured exposure never drops the gate's hit_saves below this
 EXPOSURE_EWMA = 0.2             # weight of a new exposure measurement
 EXPOSURE_MIN_MISSES = 8         # demand misses between two exposure measurements
+
+
 def expected_experts(tokens: int, num_experts: int, top_k: int) -> float:
     """Distinct experts a pass of `tokens` tokens touches in one layer if routing were uniform."""
     return num_experts * (1.0 - (1.0 - top_k / num_experts) ** tokens)

@@ -134,5 +134,4 @@ class DbrxArch(SwappedExpertsChild, MoEArch):
         return logits.to(output.dtype)        # DbrxFFN.route_tokens_to_experts decides from these logits
 
 
-
 register_arch(DbrxArch())

@@ -108,5 +108,4 @@ class Llama4Arch(StackedParams, SwappedExpertsChild, MoEArch):
         return torch.sigmoid(scores.float()).to(output[0].dtype), logits
 
 
-
 register_arch(Llama4Arch())

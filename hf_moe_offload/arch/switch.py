@@ -78,5 +78,4 @@ class SwitchArch(SwappedExpertsChild, MoEArch):
         return layer.name.startswith("encoder.")                    # the decoder routes the generated tokens
 
 
-
 register_arch(SwitchArch())
