@@ -290,15 +290,15 @@ def pipeline_seconds(cost: LayerCost, layers: int, schedule: str, window: int) -
       decode: 80-86%), and with the term the decode predictions of the runs after the admission moved from compute
       end to compute start are still within 10% (without it 10-26% over).
     """
-    reads_s = cost.reads * cost.read_s + cost.attn_io_s
     per_expert = cost.expert_s / max(cost.touched, 1e-9)
     compute = max(cost.compute_s, cost.cpu_attn_s)
     if schedule != "stream":
+        reads_s = cost.reads * cost.read_s + cost.attn_io_s
         hits_s = per_expert * max(0.0, cost.touched - cost.reads)
         rest = compute - cost.expert_s
         layer = rest + max(hits_s, reads_s) + per_expert * min(cost.reads, cost.touched)
         return layers * layer, layers * max(0.0, reads_s - hits_s), layers * compute
-    reads_s = cost.reads * (cost.read_s + per_expert / max(window, 1)) + cost.attn_io_s
+    reads_s = cost.reads * (cost.read_s + per_expert / max(window, 1)) + cost.attn_io_s   # the window's coupling
     total, exposed, slack = 0.0, 0.0, 0.0
     for _ in range(layers):
         ahead = min(window * cost.read_s, reads_s, slack)   # read during the previous layer's tail
