@@ -8,11 +8,15 @@ page cache a disk store reads through). `offload_batching_config` sizes both fro
 
 - KV cache: `max_batch_size x max_seq_len` tokens (the policy's workload hints, which the "auto" expert cache
   left room for), i.e. `num_blocks = ceil(that / page_size)`.
-- tokens per pass: the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)`
-  entries (not with flash attention), fit in the activation memory the policy left for those same tokens
-  (`hf_moe_offload.auto.sequence_costs`), but never fewer than the tokens at which a pass touches
-  `COVERAGE` of a layer's experts (a pass of T tokens with top-k of E experts touches about
-  E x (1 - (1 - k/E)^T) of them): below that, experts are read for too few tokens.
+- tokens per pass: the fewer of
+  - the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)` entries (not with
+    flash attention), fit in the activation memory the policy left for those same tokens
+    (`hf_moe_offload.auto.sequence_costs`), and
+  - where the attention builds that dense mask (sdpa, eager), the tokens that amortize a pass best: a pass costs
+    each of its T tokens about R/T + α·(KV + T) (R: the seconds its expert bytes take to move, α: attention
+    seconds per mask entry, both measured: `pass_costs.py`), lowest at T = √(R/α);
+  but never fewer than the tokens at which a pass touches `COVERAGE` of a layer's experts (a pass of T tokens with
+  top-k of E experts touches about E x (1 - (1 - k/E)^T) of them): below that, experts are read for too few tokens.
 
 transformers' default scheduler, "fifo", is decode-maximal (SARATHI): every pass carries every running decode first
 and fills the rest of the token budget with prompt chunks (see docs/continuous_batching.md); "prefill_first" is not
@@ -40,6 +44,7 @@ from transformers.utils.generic import is_flash_attention_requested
 
 from .auto import sequence_costs
 from .engine import get_engine
+from .pass_costs import PassCosts, measure_pass_costs
 from .policy import PolicyError, format_bytes
 
 logger = logging.getLogger(__name__)
@@ -52,7 +57,8 @@ class TokenBudget:
     """The continuous-batching sizes chosen for an offloaded model, and what they came from.
 
     Example:
-        >>> TokenBudget(max_batch_tokens=3976, num_blocks=16, kv_tokens=4096, coverage_tokens=17).num_blocks
+        >>> TokenBudget(max_batch_tokens=1000, num_blocks=16, kv_tokens=4096, coverage_tokens=17,
+        ...             memory_tokens=3976, amortizing_tokens=1000).num_blocks
         16
     """
 
@@ -60,6 +66,9 @@ class TokenBudget:
     num_blocks: int         # paged KV cache blocks of `page_size` tokens
     kv_tokens: int          # max_batch_size x max_seq_len from the policy
     coverage_tokens: int    # the floor: tokens at which a pass touches COVERAGE of a layer's experts
+    memory_tokens: int      # the most tokens whose activations and mask fit the memory left for them
+    amortizing_tokens: int | None = None   # √(R/α) where the attention builds a dense mask, else None
+    costs: PassCosts | None = None         # the measured R and α behind `amortizing_tokens`
 
 
 def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
@@ -107,41 +116,59 @@ def tokens_within_activation_memory(kv_tokens: int, activation_bytes_per_token: 
     return min(tokens, kv_tokens)
 
 
-def token_budget(model: nn.Module, page_size: int) -> TokenBudget:
+def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None = None, amortize: bool = True
+                 ) -> TokenBudget:
     """The token budget of an offloaded model's continuous batching (the rule in this module's docstring).
+    `pass_costs`: R and α to use instead of measuring them (only used where the attention builds a dense mask);
+    `amortize=False`: the memory rule and the coverage floor alone.
 
     Example:
         >>> token_budget(mixtral_8x7b_bf16_sdpa_offloaded, page_size=256)      # doctest: +SKIP
-        TokenBudget(max_batch_tokens=3976, num_blocks=16, kv_tokens=4096, coverage_tokens=17)
+        TokenBudget(max_batch_tokens=1093, num_blocks=16, kv_tokens=4096, coverage_tokens=17, memory_tokens=3976, ...)
     """
     engine = _causal_engine(model)
     policy = engine.policy
     kv_tokens = int(policy.max_batch_size) * int(policy.max_seq_len)
     activation = sequence_costs(model.config, model.dtype)["activation_bytes_per_token"]
-    mask_entry = 0 if is_flash_attention_requested(model.config) else model.dtype.itemsize
+    dense_mask = not is_flash_attention_requested(model.config)
+    mask_entry = model.dtype.itemsize if dense_mask else 0
     floor = max(coverage_tokens(layer.num_experts, layer.top_k) for layer in engine.layers)
-    max_batch_tokens = max(floor, tokens_within_activation_memory(kv_tokens, activation, mask_entry))
+    memory = tokens_within_activation_memory(kv_tokens, activation, mask_entry)
+    costs = amortizing = None
+    if dense_mask and amortize:
+        costs = pass_costs or measure_pass_costs(model, engine)
+        amortizing = costs.amortizing_tokens
+    max_batch_tokens = max(floor, min(memory, amortizing or memory))
     num_blocks = math.ceil(max(kv_tokens, max_batch_tokens) / page_size)
-    return TokenBudget(max_batch_tokens, num_blocks, kv_tokens, floor)
+    return TokenBudget(max_batch_tokens, num_blocks, kv_tokens, floor, memory, amortizing, costs)
 
 
-def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | None = None, **overrides
-                            ) -> ContinuousBatchingConfig:
+def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | None = None,
+                            pass_costs: PassCosts | None = None, **overrides) -> ContinuousBatchingConfig:
     """A `ContinuousBatchingConfig` for `model.generate_batch` / `init_continuous_batching` on an offloaded model:
     `base` (or the defaults) with `overrides` applied, then `max_batch_tokens` and `num_blocks` filled by
-    `token_budget` where still unset. Values set in `base` or `overrides` win. The choice is logged.
+    `token_budget` and `use_cuda_graph` set to False (offloaded experts cannot be captured in a CUDA graph) where
+    still unset. Values set in `base` or `overrides` win. The choice is logged.
+    `pass_costs`: R and α to use instead of measuring them (`pass_costs.measure_pass_costs`, a fraction of a second
+    plus a few expert reads when the model has not read enough yet); nothing is measured when `max_batch_tokens`
+    is given.
 
     Example:
         >>> cb = offload_batching_config(model, scheduler_type="fifo")                # doctest: +SKIP
         >>> model.generate_batch(prompts, generation_config=gc, continuous_batching_config=cb)   # doctest: +SKIP
     """
     config = dataclasses.replace(base or ContinuousBatchingConfig(), **overrides)
-    budget = token_budget(model, config.page_size)
+    # A given max_batch_tokens leaves nothing for the amortizing rule to decide: measure nothing then.
+    budget = token_budget(model, config.page_size, pass_costs, amortize=config.max_batch_tokens is None)
     chosen = {}
     if config.max_batch_tokens is None:
         chosen["max_batch_tokens"] = budget.max_batch_tokens
     if config.num_blocks is None:
         chosen["num_blocks"] = budget.num_blocks
+    if config.use_cuda_graph is None:
+        # Which experts run is decided on the host every pass, so the forward cannot be captured; transformers
+        # turns graphs on by itself where no attention mask is needed (flash attention on a GPU).
+        chosen["use_cuda_graph"] = False
     _log_budget(model, config, budget, chosen)
     return dataclasses.replace(config, **chosen)
 
@@ -161,10 +188,18 @@ def _causal_engine(model: nn.Module):
 def _log_budget(model: nn.Module, config: ContinuousBatchingConfig, budget: TokenBudget, chosen: dict) -> None:
     kept = [name for name in ("max_batch_tokens", "num_blocks") if name not in chosen]
     costs = sequence_costs(model.config, model.dtype)
+    if budget.amortizing_tokens is None:
+        amortizing = ""
+    else:
+        pc = budget.costs
+        amortizing = (f", at most {budget.amortizing_tokens} = sqrt(R/alpha) to amortize a pass (R = {pc.fixed_s:.3f} s "
+                      f"to move {format_bytes(pc.moved_bytes)} at {pc.bytes_per_s / 1e9:.2f} GB/s, {pc.rate_source}; "
+                      f"alpha = {pc.attention_s_per_entry:.3g} s per attention mask entry)")
     logger.info("hf_moe_offload continuous batching: max_batch_tokens=%d num_blocks=%d (page_size=%d, KV cache %s "
-                "for max_batch_size x max_seq_len = %d tokens at %s per token; tokens per pass within the "
-                "activation memory left for them, at least %d to touch %.0f%% of a layer's experts; scheduler=%s)%s",
+                "for max_batch_size x max_seq_len = %d tokens at %s per token; tokens per pass: %d within the "
+                "activation memory left for them%s, at least %d to touch %.0f%% of a layer's experts; "
+                "scheduler=%s)%s",
                 config.max_batch_tokens or budget.max_batch_tokens, config.num_blocks or budget.num_blocks,
                 config.page_size, format_bytes(budget.kv_tokens * costs["kv_bytes_per_token"]), budget.kv_tokens,
-                format_bytes(costs["kv_bytes_per_token"]), budget.coverage_tokens, COVERAGE * 100,
-                config.scheduler_type, f"; kept as given: {', '.join(kept)}" if kept else "")
+                format_bytes(costs["kv_bytes_per_token"]), budget.memory_tokens, amortizing, budget.coverage_tokens,
+                COVERAGE * 100, config.scheduler_type, f"; kept as given: {', '.join(kept)}" if kept else "")

@@ -29,7 +29,9 @@ def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, 
     if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
         raise RuntimeError("hf_moe_offload's offloaded experts cannot be captured in a CUDA graph: which experts "
                            "run is decided on the host at every step. Generate without CUDA graphs (no "
-                           "torch.compile(mode='reduce-overhead'), no manual capture)")
+                           "torch.compile(mode='reduce-overhead'), no manual capture; generate_batch: pass "
+                           "continuous_batching_config=hf_moe_offload.offload_batching_config(model), which sets "
+                           "use_cuda_graph=False)")
     on_host = expert_of_row.cpu()                                                        # the one host sync
     order = torch.argsort(on_host, stable=True).to(expert_of_row.device, non_blocking=True)   # [R], -1 rows first
     counts = torch.bincount(on_host + 1, minlength=num_experts + 1).tolist()             # [1 + E]

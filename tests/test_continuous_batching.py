@@ -14,7 +14,9 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 import hf_moe_offload
 from conftest import VOCAB, offloaded, reference
+from hf_moe_offload import batching
 from hf_moe_offload.batching import coverage_tokens, experts_touched, offload_batching_config, token_budget
+from hf_moe_offload.pass_costs import PassCosts, measure_pass_costs
 
 FAMILIES = ["mixtral", "qwen3_moe"]
 POLICIES = {
@@ -139,6 +141,7 @@ def test_budget_follows_policy_hints(tiny_models, caplog):
     assert cb.num_blocks == 4 * 32 // 16                          # KV for max_batch_size x max_seq_len
     assert budget.coverage_tokens <= cb.max_batch_tokens <= 4 * 32  # the mask takes its share of activations
     assert cb.max_batch_tokens == budget.max_batch_tokens and cb.scheduler_type == "fifo"
+    assert cb.use_cuda_graph is False                     # the offloaded forward cannot be captured
     assert f"max_batch_tokens={cb.max_batch_tokens} num_blocks={cb.num_blocks}" in caplog.text
 
 
@@ -149,11 +152,62 @@ def test_coverage_floor_wins_over_a_tiny_workload(tiny_models):
     assert cb.max_batch_tokens == coverage_tokens(6, 2) and cb.num_blocks == 1
 
 
+def _costs(amortizing: int) -> PassCosts:
+    """Pass costs whose sqrt(R/alpha) is `amortizing` tokens."""
+    return PassCosts(fixed_s=amortizing ** 2 * 1e-6, attention_s_per_entry=1e-6, moved_bytes=1, bytes_per_s=1.0,
+                     rate_source="given")
+
+
+def test_amortizing_tokens_cap_the_budget_between_floor_and_memory(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=4,
+                      max_seq_len=32)
+    memory = token_budget(model, 16, amortize=False).max_batch_tokens
+    floor = coverage_tokens(6, 2)
+    assert floor < 40 < memory
+    assert offload_batching_config(model, page_size=16, pass_costs=_costs(40)).max_batch_tokens == 40
+    assert offload_batching_config(model, page_size=16, pass_costs=_costs(10 ** 6)).max_batch_tokens == memory
+    assert offload_batching_config(model, page_size=16, pass_costs=_costs(2)).max_batch_tokens == floor
+    assert token_budget(model, 16, pass_costs=_costs(40)).amortizing_tokens == 40
+
+
+def test_nothing_is_measured_without_a_dense_mask_or_with_a_given_budget(tiny_models, monkeypatch):
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=4,
+                      max_seq_len=32)
+
+    def refuse(*args):
+        raise AssertionError("measured although the amortizing rule is not used")
+
+    monkeypatch.setattr(batching, "measure_pass_costs", refuse)
+    assert offload_batching_config(model, page_size=16, max_batch_tokens=24).max_batch_tokens == 24
+    monkeypatch.setattr(batching, "is_flash_attention_requested", lambda config: True)   # flash: no mask to build
+    budget = token_budget(model, 16)
+    assert budget.amortizing_tokens is None and budget.max_batch_tokens == budget.memory_tokens == 4 * 32
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_pass_costs_are_measured_from_the_store(tiny_models, policy):
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES[policy])
+    engine = hf_moe_offload.get_engine(model)
+    costs = measure_pass_costs(model, engine)
+    assert costs.attention_s_per_entry > 0 and costs.bytes_per_s > 0
+    assert costs.fixed_s == pytest.approx(costs.moved_bytes / costs.bytes_per_s)
+    if policy == "cpu-store":                    # used in place: every pass reads all expert bytes from memory
+        assert costs.moved_bytes == engine.store.total_bytes and "host memory" in costs.rate_source
+        return
+    assert costs.moved_bytes == engine.store.total_bytes - engine.cache.num_slots * engine.cache.slot_bytes > 0
+    assert "read from the store now" in costs.rate_source
+    assert hf_moe_offload.stats(model)["misses"] == 0           # the sample reads are not the model's
+    ids = torch.tensor([_prompts()[3]])
+    model.generate(ids, attention_mask=torch.ones_like(ids), generation_config=GEN)
+    assert "store reads so far" in measure_pass_costs(model, engine).rate_source   # then its own reads count
+
+
 def test_user_values_win(tiny_models):
     model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"])
     cb = offload_batching_config(model, base=ContinuousBatchingConfig(max_batch_tokens=7, page_size=16),
                                  num_blocks=5, scheduler_type="prefill_first")
     assert (cb.max_batch_tokens, cb.num_blocks, cb.page_size, cb.scheduler_type) == (7, 5, 16, "prefill_first")
+    assert offload_batching_config(model, page_size=16, use_cuda_graph=True).use_cuda_graph is True
     assert offload_batching_config(model, page_size=16).max_batch_tokens != 7   # base is not mutated or shared
 
 

@@ -789,6 +789,31 @@ def test_micro_batches_on_the_gpu_keep_tokens_and_read_each_expert_once(tiny_mod
     assert hf_moe_offload.get_engine(model).cache.held == 0
 
 
+@pytest.mark.parametrize("store", ["cpu", "disk"])
+def test_continuous_batching_budget_on_the_gpu_measures_its_link_and_keeps_tokens(tiny_models, store):
+    """offload_batching_config on cuda:0: R from the link the experts cross (pinned host-to-device for a host store,
+    the store's reads for a disk store), alpha from sdpa on the GPU; CUDA graphs off (the offloaded experts cannot
+    be captured); generate_batch then gives plain generate's tokens."""
+    from transformers import GenerationConfig
+
+    from hf_moe_offload.batching import offload_batching_config, token_budget
+
+    path = tiny_models["mixtral"]
+    model = _on_gpu("mixtral", path, store=store, expert_cache="60%")
+    budget = token_budget(model, page_size=16)
+    costs = budget.costs
+    assert costs.bytes_per_s > 0 and costs.attention_s_per_entry > 0
+    assert ("host-to-device" if store == "cpu" else "read from the store") in costs.rate_source
+    assert budget.coverage_tokens <= budget.max_batch_tokens <= budget.memory_tokens
+    gen = GenerationConfig(max_new_tokens=5, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    prompts = [token_inputs(1, n, seed=n)[0][0].tolist() for n in (3, 9, 17)]
+    out = model.generate_batch(prompts, generation_config=gen, progress_bar=False,
+                               continuous_batching_config=offload_batching_config(model, page_size=16))
+    plain = [_generate(model, torch.tensor([p], device=CUDA), torch.ones(1, len(p), dtype=torch.long, device=CUDA),
+                       max_new_tokens=5, min_new_tokens=5)[0, len(p):].tolist() for p in prompts]
+    assert [o.generated_tokens for o in out.values()] == plain
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("count", [1, 2, 4])
 def test_micro_batches_with_cpu_attention_timing(tmp_path, count):
