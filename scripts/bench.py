@@ -1062,12 +1062,13 @@ def cb_config(prompts: list[list[int]], new_tokens: int, page_size: int = 256):
     return ContinuousBatchingConfig(page_size=page_size, num_blocks=blocks + 1)
 
 
-def continuous(model, prompts: list[list[int]], config) -> list[list[int]]:
+def continuous(model, prompts: list[list[int]], config, batching=None) -> list[list[int]]:
     """transformers' `generate_batch` over every prompt at once; each prompt's new tokens, in prompt order. It logs
     a failure instead of raising, so missing or failed requests are raised here. Its warm-up (CUDA graph capture,
-    dummy batches) is off: on the CPU it captures nothing and took longer than the tiny run itself."""
+    dummy batches) is off: on the CPU it captures nothing and took longer than the tiny run itself. `batching`: a
+    `ContinuousBatchingConfig` (default `cb_config`: transformers chooses the tokens per pass)."""
     outputs = list(model.generate_batch(prompts, generation_config=config, continuous_batching_config=
-                                        cb_config(prompts, config.max_new_tokens), progress_bar=False,
+                                        batching or cb_config(prompts, config.max_new_tokens), progress_bar=False,
                                         warmup=False).values())
     failed = [o.error for o in outputs if o.error is not None]
     if len(outputs) != len(prompts) or failed:
@@ -1126,10 +1127,34 @@ def run_cb_worker(spec: dict[str, Any]) -> dict[str, Any]:
     continuous(model, prompts[:2], greedy_config(1))         # untimed: one-time costs of both paths
     static_batches(model, prompts[:2], 2, greedy_config(1))
     # generate_batch's thread writes tensors in place: no inference_mode around it (it runs under no_grad)
-    modes = [timed_mode("continuous", lambda: continuous(model, prompts, config), evictor, prompts, stats),
-             timed_mode(f"static, batch {spec['batch']}",
-                        lambda: static_batches(model, prompts, spec["batch"], config), evictor, prompts, stats)]
+    modes = [timed_mode("continuous", lambda: continuous(model, prompts, config), evictor, prompts, stats)]
+    if stats is not None:      # the library's token budget (measured pass costs), sized before the timed run
+        sized = library_batching(model, prompts, config.max_new_tokens)
+        row["library_batching"] = sized
+        modes.append(timed_mode(f"continuous, offload_batching_config ({sized['max_batch_tokens']} tokens/pass)",
+                                lambda: continuous(model, prompts, config, sized["config"]), evictor, prompts,
+                                stats))
+        del sized["config"]
+    modes.append(timed_mode(f"static, batch {spec['batch']}",
+                            lambda: static_batches(model, prompts, spec["batch"], config), evictor, prompts, stats))
     return {**row, "prompts": len(prompts), "modes": modes, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def library_batching(model, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
+    """`offload_batching_config` on the benchmark's KV cache (`cb_config`): the tokens per pass it picks, the pass
+    costs it measured (R, alpha) and the seconds that took."""
+    from hf_moe_offload.batching import offload_batching_config, token_budget
+
+    base = cb_config(prompts, new_tokens)
+    start = time.perf_counter()
+    budget = token_budget(model, base.page_size)
+    config = offload_batching_config(model, base=base, pass_costs=budget.costs)
+    costs = budget.costs
+    return {"config": config, "max_batch_tokens": config.max_batch_tokens, "memory_tokens": budget.memory_tokens,
+            "amortizing_tokens": budget.amortizing_tokens, "sizing_s": time.perf_counter() - start,
+            "pass_costs": None if costs is None else {
+                "fixed_s": costs.fixed_s, "attention_s_per_entry": costs.attention_s_per_entry,
+                "moved_bytes": costs.moved_bytes, "bytes_per_s": costs.bytes_per_s, "rate_source": costs.rate_source}}
 
 
 def cpu_jiffies() -> tuple[int, int]:
@@ -1771,8 +1796,10 @@ def compare_cb_tokens(rows: list[dict]) -> None:
     """Each mode's greedy tokens against the resident row's same mode (in place; None: no resident reference)."""
     ran = [r for r in rows if "modes" in r]
     reference = next((r for r in ran if r["system"] == "resident"), None)
+    ref_modes = {m["mode"]: m for m in reference["modes"]} if reference else {}
     for r in ran:
-        for mode, ref in zip(r["modes"], reference["modes"] if reference else [None] * len(r["modes"])):
+        for mode in r["modes"]:     # the library's budget mode has no resident twin (its budget differs): None
+            ref = ref_modes.get(mode["mode"])
             mode["tokens_match"] = None if ref is None or r is reference else mode["tokens"] == ref["tokens"]
 
 
