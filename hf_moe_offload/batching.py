@@ -7,7 +7,8 @@ when `max_batch_tokens` and `num_blocks` are unset: 8192 tokens per pass and a p
 page cache a disk store reads through). `offload_batching_config` sizes both from the policy instead:
 
 - KV cache: `max_batch_size x max_seq_len` tokens (the policy's workload hints, which the "auto" expert cache
-  left room for), i.e. `num_blocks = ceil(that / page_size)`.
+  left room for), i.e. `num_blocks = ceil(that / page_size)`; for a `generate_batch` call, no more than its
+  requests hold at once (a whole block each at least: transformers' blocks are per request).
 - tokens per pass: the fewer of
   - the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)` entries (not with
     flash attention), fit in the activation memory the policy left for those same tokens
@@ -17,6 +18,10 @@ page cache a disk store reads through). `offload_batching_config` sizes both fro
     seconds per mask entry, both measured: `pass_costs.py`), lowest at T = √(R/α);
   but never fewer than the tokens at which a pass touches `COVERAGE` of a layer's experts (a pass of T tokens with
   top-k of E experts touches about E x (1 - (1 - k/E)^T) of them): below that, experts are read for too few tokens.
+
+An offloaded decoder-only model sizes itself this way when `generate_batch` (or `init_continuous_batching`) gets
+no `ContinuousBatchingConfig` (`install_batching_defaults`, attached at load and removed by `disable()`), with the
+KV cache no larger than the call's own requests need (transformers' `WorkloadHints`).
 
 transformers' default scheduler, "fifo", is decode-maximal (SARATHI): every pass carries every running decode first
 and fills the rest of the token budget with prompt chunks (see docs/continuous_batching.md); "prefill_first" is not
@@ -34,9 +39,11 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
 from torch import nn
 from transformers import ContinuousBatchingConfig
@@ -64,7 +71,7 @@ class TokenBudget:
 
     max_batch_tokens: int   # query tokens per forward pass
     num_blocks: int         # paged KV cache blocks of `page_size` tokens
-    kv_tokens: int          # max_batch_size x max_seq_len from the policy
+    kv_tokens: int          # max_batch_size x max_seq_len from the policy (fewer if a call's requests need fewer)
     coverage_tokens: int    # the floor: tokens at which a pass touches COVERAGE of a layer's experts
     memory_tokens: int      # the most tokens whose activations and mask fit the memory left for them
     amortizing_tokens: int | None = None   # √(R/α) where the attention builds a dense mask, else None
@@ -116,11 +123,12 @@ def tokens_within_activation_memory(kv_tokens: int, activation_bytes_per_token: 
     return min(tokens, kv_tokens)
 
 
-def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None = None, amortize: bool = True
-                 ) -> TokenBudget:
+def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None = None, amortize: bool = True,
+                 workload=None) -> TokenBudget:
     """The token budget of an offloaded model's continuous batching (the rule in this module's docstring).
     `pass_costs`: R and α to use instead of measuring them (only used where the attention builds a dense mask);
-    `amortize=False`: the memory rule and the coverage floor alone.
+    `amortize=False`: the memory rule and the coverage floor alone; `workload`: transformers' `WorkloadHints` of a
+    `generate_batch` call, whose requests all at once bound the KV cache from above.
 
     Example:
         >>> token_budget(mixtral_8x7b_bf16_sdpa_offloaded, page_size=256)      # doctest: +SKIP
@@ -129,6 +137,12 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
     engine = _causal_engine(model)
     policy = engine.policy
     kv_tokens = int(policy.max_batch_size) * int(policy.max_seq_len)
+    blocks = math.ceil(kv_tokens / page_size)
+    if _usable(workload):   # a generate_batch call: no more KV than its requests hold at once (a block each, at least)
+        length = workload.max_prompt_length + max(workload.max_generated_length, 0)
+        kv_tokens = min(kv_tokens, workload.num_requests * length)
+        blocks = max(min(blocks, workload.num_requests * math.ceil(length / page_size)),
+                     math.ceil(length / page_size))
     activation = sequence_costs(model.config, model.dtype)["activation_bytes_per_token"]
     dense_mask = not is_flash_attention_requested(model.config)
     mask_entry = model.dtype.itemsize if dense_mask else 0
@@ -139,19 +153,25 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
         costs = pass_costs or measure_pass_costs(model, engine)
         amortizing = costs.amortizing_tokens
     max_batch_tokens = max(floor, min(memory, amortizing or memory))
-    num_blocks = math.ceil(max(kv_tokens, max_batch_tokens) / page_size)
+    num_blocks = max(blocks, math.ceil(max_batch_tokens / page_size))
     return TokenBudget(max_batch_tokens, num_blocks, kv_tokens, floor, memory, amortizing, costs)
 
 
+def _usable(workload) -> bool:
+    """Whether transformers' `WorkloadHints` describe real requests (generate_batch's do; defaults are zeros)."""
+    return workload is not None and workload.num_requests > 0 and workload.max_prompt_length > 0
+
+
 def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | None = None,
-                            pass_costs: PassCosts | None = None, **overrides) -> ContinuousBatchingConfig:
+                            pass_costs: PassCosts | None = None, workload=None, **overrides
+                            ) -> ContinuousBatchingConfig:
     """A `ContinuousBatchingConfig` for `model.generate_batch` / `init_continuous_batching` on an offloaded model:
     `base` (or the defaults) with `overrides` applied, then `max_batch_tokens` and `num_blocks` filled by
     `token_budget` and `use_cuda_graph` set to False (offloaded experts cannot be captured in a CUDA graph) where
     still unset. Values set in `base` or `overrides` win. The choice is logged.
     `pass_costs`: R and α to use instead of measuring them (`pass_costs.measure_pass_costs`, a fraction of a second
     plus a few expert reads when the model has not read enough yet); nothing is measured when `max_batch_tokens`
-    is given.
+    is given. `workload`: transformers' `WorkloadHints` (what `generate_batch` passes), bounding the KV cache.
 
     Example:
         >>> cb = offload_batching_config(model, scheduler_type="fifo")                # doctest: +SKIP
@@ -159,7 +179,8 @@ def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | N
     """
     config = dataclasses.replace(base or ContinuousBatchingConfig(), **overrides)
     # A given max_batch_tokens leaves nothing for the amortizing rule to decide: measure nothing then.
-    budget = token_budget(model, config.page_size, pass_costs, amortize=config.max_batch_tokens is None)
+    budget = token_budget(model, config.page_size, pass_costs, amortize=config.max_batch_tokens is None,
+                          workload=workload)
     chosen = {}
     if config.max_batch_tokens is None:
         chosen["max_batch_tokens"] = budget.max_batch_tokens
@@ -171,6 +192,46 @@ def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | N
         chosen["use_cuda_graph"] = False
     _log_budget(model, config, budget, chosen)
     return dataclasses.replace(config, **chosen)
+
+
+def install_batching_defaults(model: nn.Module) -> Callable[[], None] | None:
+    """Make `model.init_continuous_batching` (what `generate_batch` and `continuous_batching_context_manager` call)
+    use `offload_batching_config` when it gets no `ContinuousBatchingConfig`, sized for the call's `WorkloadHints`.
+    An instance attribute, as accelerate's hooks are; returns the function that removes it (None: nothing to do,
+    the model has no continuous batching or is an encoder-decoder).
+
+    Example:
+        >>> undo = install_batching_defaults(model)                      # doctest: +SKIP
+        >>> model.generate_batch(prompts, generation_config=gc)          # sized by offload_batching_config  # doctest: +SKIP
+        >>> undo()                                                       # doctest: +SKIP
+    """
+    if not hasattr(model, "init_continuous_batching") or getattr(model.config, "is_encoder_decoder", False):
+        return None
+    own = vars(model).get("init_continuous_batching")     # the user's own override, put back on removal
+    original = model.init_continuous_batching
+
+    @functools.wraps(original)
+    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None,
+                                 **kwargs):
+        generation = generation_config if generation_config is not None else model.generation_config
+        given = continuous_batching_config is not None or isinstance(
+            getattr(generation, "continuous_batching_config", None), ContinuousBatchingConfig)
+        reused = getattr(model, "_cached_continuous_batching_manager", None) is not None   # its config stays
+        if not given and not reused:
+            continuous_batching_config = offload_batching_config(model, workload=workload_hints)
+        return original(generation_config=generation_config, continuous_batching_config=continuous_batching_config,
+                        workload_hints=workload_hints, **kwargs)
+
+    model.init_continuous_batching = init_continuous_batching
+
+    def remove() -> None:
+        if vars(model).get("init_continuous_batching") is init_continuous_batching:
+            if own is not None:
+                model.init_continuous_batching = own
+            else:
+                del model.init_continuous_batching
+
+    return remove
 
 
 def _causal_engine(model: nn.Module):

@@ -124,6 +124,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     if predictor is not None:
         engine.attach_predictor(predictor)
     _apply_attention(model, engine)
+    _apply_batching(model, engine)
     return model
 
 
@@ -200,6 +201,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
     if predictor is not None:
         engine.attach_predictor(predictor)
     _apply_attention(model, engine)
+    _apply_batching(model, engine)
     return model
 
 
@@ -225,6 +227,16 @@ def _apply_attention(model: PreTrainedModel, engine: OffloadEngine) -> None:
         engine.detach()                   # a refused model is left as it was before
         raise
     engine.on_detach.append(lambda: restore_attention(model))
+
+
+def _apply_batching(model: PreTrainedModel, engine: OffloadEngine) -> None:
+    """`generate_batch` without a ContinuousBatchingConfig sizes its token budget for offloading (batching.py),
+    undone by `disable()`."""
+    from .batching import install_batching_defaults
+
+    remove = install_batching_defaults(model)
+    if remove is not None:
+        engine.on_detach.append(remove)
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:

@@ -219,6 +219,31 @@ def test_sized_config_runs_generate_batch(tiny_models, references):
     assert stats["peak_cache_bytes"] <= stats["cache_capacity_bytes"]
 
 
+def test_generate_batch_without_a_config_is_sized_for_offloading(tiny_models, references):
+    """A plain `generate_batch(prompts, generation_config=...)`, as users call it: sized by offload_batching_config
+    (CUDA graphs off, KV cache no larger than the call's requests), the unpatched model's tokens; a config given
+    by the user is used as given; disable() removes the default."""
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=4,
+                      max_seq_len=512)                    # the policy's KV plan: 2048 tokens, 8 blocks of 256
+    prompts = _prompts()
+    out = model.generate_batch(prompts, generation_config=GEN, persistent_manager=True)
+    assert [o.generated_tokens for o in out.values()] == references["mixtral"][1]
+    used = model._cached_continuous_batching_manager.continuous_batching_config
+    model.destroy_cached_continuous_batching_manager()
+    longest = max(map(len, prompts)) + GEN.max_new_tokens
+    assert used.use_cuda_graph == (False, False) and used.page_size == 256
+    assert used.num_blocks == len(prompts)                # a block per request, fewer than the policy's 8
+    assert coverage_tokens(6, 2) <= used.max_batch_tokens <= len(prompts) * longest
+
+    model.generate_batch(prompts, generation_config=GEN, continuous_batching_config=_cb_config(8),
+                         persistent_manager=True)
+    assert model._cached_continuous_batching_manager.continuous_batching_config.max_batch_tokens == 8
+    model.destroy_cached_continuous_batching_manager()
+
+    hf_moe_offload.disable(model)
+    assert "init_continuous_batching" not in vars(model)
+
+
 def test_refuses_models_it_cannot_size(tiny_models):
     with pytest.raises(hf_moe_offload.PolicyError, match="not offloaded"):
         offload_batching_config(reference("mixtral", tiny_models["mixtral"]))
