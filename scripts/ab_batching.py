@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""A/B of continuous-batching token budgets on one offloaded model: transformers' own (8192 tokens per pass),
+`offload_batching_config`'s (measured R and alpha, see docs/continuous_batching.md) and fixed ones, alternated in
+one process over `generate_batch` of mixed-length prompts; generated tokens/s, forward passes and disk bytes per
+generated token, page cache dropped before every forward pass (disk store).
+
+Example (the table in docs/continuous_batching.md; ~7 min on 2 cores, after scripts/bench.py built the model):
+    HF_HUB_OFFLINE=1 python scripts/ab_batching.py --store disk --repeats 2 --fixed 512
+    HF_HUB_OFFLINE=1 python scripts/ab_batching.py --store cpu --repeats 1 --fixed 512
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import time
+from pathlib import Path
+
+import bench   # this folder's benchmark: the same prompts, page-cache eviction and disk probes
+
+DEFAULT_MODEL = "/tmp/hf_moe_offload_bench/mixtral_h1024_i3584_l8_e8_k2_a16x8_v32000_seed0"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="a checkpoint written by scripts/bench.py")
+    parser.add_argument("--store", choices=("disk", "cpu"), default="disk")
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompts are 1/4 to 2x this long")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--fixed", type=int, nargs="*", default=[512], help="fixed max_batch_tokens to add")
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hf_moe_offload.batching import token_budget
+
+    torch.set_num_threads(1)
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)
+    files = bench.checkpoint_files(Path(args.model))
+    policy = {"device": "cpu", "store": "disk", "expert_cache": "25%"} if args.store == "disk" else \
+        {"device": "cpu", "store": "cpu"}
+    bench.evict_from_page_cache(files)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16, offload_policy=policy)
+    prompts = bench.mixed_prompts(model.config.vocab_size, args.prompts, args.prompt_len, 0)
+    config = bench.greedy_config(args.new_tokens)
+    evictor = bench.ForwardEvictor(files if args.store == "disk" else None)
+    model.register_forward_pre_hook(evictor)
+    base = bench.cb_config(prompts, args.new_tokens)
+    start = time.perf_counter()
+    budget = token_budget(model, base.page_size)           # what offload_batching_config picks, measured now
+    print(f"offload_batching_config: {budget.max_batch_tokens} tokens/pass (memory rule {budget.memory_tokens}, "
+          f"amortizing {budget.amortizing_tokens}; {budget.costs}) sized in {time.perf_counter() - start:.2f} s")
+    bench.continuous(model, prompts[:2], bench.greedy_config(1))          # untimed: one-time costs
+    budgets = [("transformers' default", None), ("offload_batching_config", budget.max_batch_tokens)]
+    budgets += [(f"fixed {n}", n) for n in args.fixed]
+    for _ in range(args.repeats):
+        for name, tokens in budgets:
+            batching = dataclasses.replace(base, max_batch_tokens=tokens)
+            evictor(None, None)
+            evictor.calls, evictor.seconds = 0, 0.0
+            reads, start = bench.proc_read_bytes(), time.perf_counter()
+            out = bench.continuous(model, prompts, config, batching)
+            wall = time.perf_counter() - start - evictor.seconds
+            generated = sum(map(len, out))
+            print(f"{name} ({tokens or 'unset'}): {generated / wall:.2f} generated tok/s, {evictor.calls} forwards, "
+                  f"{(bench.proc_read_bytes() - reads) / generated / 1e6:.1f} MB read per generated token", flush=True)
+
+
+if __name__ == "__main__":
+    main()
