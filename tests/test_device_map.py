@@ -174,3 +174,16 @@ def test_two_stand_in_devices_keep_tokens_under_other_policies(mixtral, policy):
     assert set(snap["devices"]) == {"dev0", "dev1"}
     if policy.get("expert_compute") == "cpu":
         assert snap["cache_capacity_bytes"] == 0 and snap["cpu_computed"] == snap["experts_used"] > 0
+
+
+def test_pass_costs_count_every_device_cache(mixtral):
+    """Continuous batching's sizing on a device_map: the bytes a pass moves are the experts none of the caches hold."""
+    from hf_moe_offload.pass_costs import measure_pass_costs
+
+    path = mixtral[0]
+    with stand_in_devices("dev0", "dev1"):
+        model = _load(path, SPLIT)
+    engine = hf_moe_offload.get_engine(model)
+    costs = measure_pass_costs(model, engine)
+    held = sum(cache.num_slots * cache.slot_bytes for cache in engine.cache.caches.values())
+    assert costs.moved_bytes == engine.store.total_bytes - held > 0 and costs.bytes_per_s > 0
