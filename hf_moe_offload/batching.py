@@ -7,8 +7,9 @@ when `max_batch_tokens` and `num_blocks` are unset: 8192 tokens per pass and a p
 page cache a disk store reads through). `offload_batching_config` sizes both from the policy instead:
 
 - KV cache: `max_batch_size x max_seq_len` tokens (the policy's workload hints, which the "auto" expert cache
-  left room for), i.e. `num_blocks = ceil(that / page_size)`; for a `generate_batch` call, no more than its
-  requests hold at once (a whole block each at least: transformers' blocks are per request).
+  left room for), i.e. `num_blocks = ceil(that / page_size)`; for a `generate_batch` call, room for all its
+  requests at once (a whole block each: transformers' blocks are per request), beyond the plan if a share of the
+  memory free now (`KV_FREE_SHARE`) holds it.
 - tokens per pass: the fewer of
   - the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)` entries (not with
     flash attention), fit in the activation memory the policy left for those same tokens
@@ -45,6 +46,8 @@ import math
 from dataclasses import dataclass
 from typing import Callable
 
+import psutil
+import torch
 from torch import nn
 from transformers import ContinuousBatchingConfig
 from transformers.utils.generic import is_flash_attention_requested
@@ -57,6 +60,9 @@ from .policy import PolicyError, format_bytes
 logger = logging.getLogger(__name__)
 
 COVERAGE = 0.99   # share of a layer's experts a pass must touch for its reads to count as amortized
+# Most of the free memory a generate_batch call's KV cache may take beyond the policy's plan: (host, GPU). The host
+# share is smaller: the page cache a disk store reads through and the user's other work live there.
+KV_FREE_SHARE = (0.25, 0.5)
 
 
 @dataclass(frozen=True)
@@ -138,11 +144,15 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
     policy = engine.policy
     kv_tokens = int(policy.max_batch_size) * int(policy.max_seq_len)
     blocks = math.ceil(kv_tokens / page_size)
-    if _usable(workload):   # a generate_batch call: no more KV than its requests hold at once (a block each, at least)
+    if _usable(workload):
+        # A generate_batch call: room for all its requests at once (a block each at least: blocks are per request),
+        # which may exceed the policy's plan (its max_batch_size is often 1) up to a share of the memory free now;
+        # never more than the requests need.
         length = workload.max_prompt_length + max(workload.max_generated_length, 0)
+        per_request = math.ceil(length / page_size)
+        room = _blocks_in_free_memory(model, engine, page_size)
+        blocks = max(min(workload.num_requests * per_request, max(blocks, room)), per_request)
         kv_tokens = min(kv_tokens, workload.num_requests * length)
-        blocks = max(min(blocks, workload.num_requests * math.ceil(length / page_size)),
-                     math.ceil(length / page_size))
     activation = sequence_costs(model.config, model.dtype)["activation_bytes_per_token"]
     dense_mask = not is_flash_attention_requested(model.config)
     mask_entry = model.dtype.itemsize if dense_mask else 0
@@ -155,6 +165,18 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
     max_batch_tokens = max(floor, min(memory, amortizing or memory))
     num_blocks = max(blocks, math.ceil(max_batch_tokens / page_size))
     return TokenBudget(max_batch_tokens, num_blocks, kv_tokens, floor, memory, amortizing, costs)
+
+
+def _blocks_in_free_memory(model: nn.Module, engine, page_size: int) -> int:
+    """KV blocks that fit in `KV_FREE_SHARE` of the compute device's memory free now (after the expert cache)."""
+    device = torch.device(engine.policy.device) if engine.devices is None else \
+        next(iter(engine.cache.caches.values())).device
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        free = psutil.virtual_memory().available
+    block_bytes = page_size * sequence_costs(model.config, model.dtype)["kv_bytes_per_token"]
+    return int(free * KV_FREE_SHARE[device.type == "cuda"] // max(block_bytes, 1))
 
 
 def _usable(workload) -> bool:

@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """A/B of continuous-batching token budgets on one offloaded model: transformers' own (8192 tokens per pass),
-`offload_batching_config`'s (measured R and alpha, see docs/continuous_batching.md) and fixed ones, alternated in
+`offload_batching_config`'s (measured R and alpha, see docs/continuous_batching.md), fixed ones, all on the same KV
+cache (a block per prompt), and a plain `generate_batch` call with no config (the library sizes both), alternated in
 one process over `generate_batch` of mixed-length prompts; generated tokens/s, forward passes and disk bytes per
 generated token, page cache dropped before every forward pass (disk store).
 
@@ -58,13 +59,17 @@ def main() -> None:
     bench.continuous(model, prompts[:2], bench.greedy_config(1))          # untimed: one-time costs
     budgets = [("transformers' default", None), ("offload_batching_config", budget.max_batch_tokens)]
     budgets += [(f"fixed {n}", n) for n in args.fixed]
+    budgets += [("no config given (generate_batch sizes itself, KV cache included)", "plain")]
     for _ in range(args.repeats):
         for name, tokens in budgets:
-            batching = dataclasses.replace(base, max_batch_tokens=tokens)
             evictor(None, None)
             evictor.calls, evictor.seconds = 0, 0.0
             reads, start = bench.proc_read_bytes(), time.perf_counter()
-            out = bench.continuous(model, prompts, config, batching)
+            if tokens == "plain":    # what a user's plain call does (sizing measured inside the timing)
+                outputs = model.generate_batch(prompts, generation_config=config, progress_bar=False, warmup=False)
+                out = [list(o.generated_tokens) for o in outputs.values()]
+            else:
+                out = bench.continuous(model, prompts, config, dataclasses.replace(base, max_batch_tokens=tokens))
             wall = time.perf_counter() - start - evictor.seconds
             generated = sum(map(len, out))
             print(f"{name} ({tokens or 'unset'}): {generated / wall:.2f} generated tok/s, {evictor.calls} forwards, "

@@ -244,6 +244,20 @@ def test_generate_batch_without_a_config_is_sized_for_offloading(tiny_models, re
     assert "init_continuous_batching" not in vars(model)
 
 
+def test_a_calls_kv_cache_holds_its_requests_within_free_memory(tiny_models, monkeypatch):
+    """generate_batch's WorkloadHints: a block per request, beyond a batch-1 plan while free memory holds it."""
+    from transformers.generation.continuous_batching.utils import WorkloadHints
+
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=1,
+                      max_seq_len=64)                     # the plan: one block of 256 tokens
+    hints = WorkloadHints(max_prompt_length=31, max_generated_length=6, num_requests=5)
+    assert token_budget(model, 256, amortize=False).num_blocks == 1
+    assert token_budget(model, 256, amortize=False, workload=hints).num_blocks == 5
+    assert token_budget(model, 16, amortize=False, workload=hints).num_blocks == 5 * 3      # 37 tokens: 3 blocks
+    monkeypatch.setattr(batching, "KV_FREE_SHARE", (0.0, 0.0))           # no free memory to grow into
+    assert token_budget(model, 16, amortize=False, workload=hints).num_blocks == 4          # the plan: 64 tokens
+
+
 def test_refuses_models_it_cannot_size(tiny_models):
     with pytest.raises(hf_moe_offload.PolicyError, match="not offloaded"):
         offload_batching_config(reference("mixtral", tiny_models["mixtral"]))
