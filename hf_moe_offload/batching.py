@@ -82,6 +82,7 @@ class TokenBudget:
     memory_tokens: int      # the most tokens whose activations and mask fit the memory left for them
     amortizing_tokens: int | None = None   # √(R/α) where the attention builds a dense mask, else None
     costs: PassCosts | None = None         # the measured R and α behind `amortizing_tokens`
+    holds_every_request: bool = False      # a call's requests all fit at their longest: no free-block margin needed
 
 
 def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
@@ -144,6 +145,7 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
     policy = engine.policy
     kv_tokens = int(policy.max_batch_size) * int(policy.max_seq_len)
     blocks = math.ceil(kv_tokens / page_size)
+    holds_every_request = False
     if _usable(workload):
         # A generate_batch call: room for all its requests at once (a block each at least: blocks are per request),
         # which may exceed the policy's plan (its max_batch_size is often 1) up to a share of the memory free now;
@@ -151,8 +153,10 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
         length = workload.max_prompt_length + max(workload.max_generated_length, 0)
         per_request = math.ceil(length / page_size)
         room = _blocks_in_free_memory(model, engine, page_size)
-        blocks = max(min(workload.num_requests * per_request, max(blocks, room)), per_request)
+        need = workload.num_requests * per_request
+        blocks = max(min(need, max(blocks, room)), per_request)
         kv_tokens = min(kv_tokens, workload.num_requests * length)
+        holds_every_request = blocks >= need
     activation = sequence_costs(model.config, model.dtype)["activation_bytes_per_token"]
     dense_mask = not is_flash_attention_requested(model.config)
     mask_entry = model.dtype.itemsize if dense_mask else 0
@@ -164,7 +168,8 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
         amortizing = costs.amortizing_tokens
     max_batch_tokens = max(floor, min(memory, amortizing or memory))
     num_blocks = max(blocks, math.ceil(max_batch_tokens / page_size))
-    return TokenBudget(max_batch_tokens, num_blocks, kv_tokens, floor, memory, amortizing, costs)
+    return TokenBudget(max_batch_tokens, num_blocks, kv_tokens, floor, memory, amortizing, costs,
+                       holds_every_request)
 
 
 def _blocks_in_free_memory(model: nn.Module, engine, page_size: int) -> int:
@@ -208,6 +213,11 @@ def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | N
         chosen["max_batch_tokens"] = budget.max_batch_tokens
     if config.num_blocks is None:
         chosen["num_blocks"] = budget.num_blocks
+    if config.safety_margin is None and budget.holds_every_request and "num_blocks" in chosen:
+        # transformers stops admitting prompts while fewer than 15% of the blocks are free, so that running
+        # requests can grow; a cache sized for every request at its longest never runs out, and the margin would
+        # only hold the last prompts back for a second wave of decode passes (each a full read of the experts).
+        chosen["safety_margin"] = 0.0
     if config.use_cuda_graph is None:
         # Which experts run is decided on the host every pass, so the forward cannot be captured; transformers
         # turns graphs on by itself where no attention mask is needed (flash attention on a GPU).

@@ -233,6 +233,7 @@ def test_generate_batch_without_a_config_is_sized_for_offloading(tiny_models, re
     longest = max(map(len, prompts)) + GEN.max_new_tokens
     assert used.use_cuda_graph == (False, False) and used.page_size == 256
     assert used.num_blocks == len(prompts)                # a block per request, fewer than the policy's 8
+    assert used.safety_margin == 0.0                      # every request fits at its longest: no margin held back
     assert coverage_tokens(6, 2) <= used.max_batch_tokens <= len(prompts) * longest
 
     model.generate_batch(prompts, generation_config=GEN, continuous_batching_config=_cb_config(8),
@@ -254,8 +255,11 @@ def test_a_calls_kv_cache_holds_its_requests_within_free_memory(tiny_models, mon
     assert token_budget(model, 256, amortize=False).num_blocks == 1
     assert token_budget(model, 256, amortize=False, workload=hints).num_blocks == 5
     assert token_budget(model, 16, amortize=False, workload=hints).num_blocks == 5 * 3      # 37 tokens: 3 blocks
+    assert token_budget(model, 16, amortize=False, workload=hints).holds_every_request
     monkeypatch.setattr(batching, "KV_FREE_SHARE", (0.0, 0.0))           # no free memory to grow into
-    assert token_budget(model, 16, amortize=False, workload=hints).num_blocks == 4          # the plan: 64 tokens
+    tight = token_budget(model, 16, amortize=False, workload=hints)
+    assert tight.num_blocks == 4 and not tight.holds_every_request                          # the plan: 64 tokens
+    assert offload_batching_config(model, page_size=16, workload=hints, max_batch_tokens=32).safety_margin is None
 
 
 def test_refuses_models_it_cannot_size(tiny_models):
