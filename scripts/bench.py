@@ -38,7 +38,8 @@ What it does, in one invocation:
    cache slots) x expert bytes, from its own routing); disk bytes per step beside that floor and beside the best
    fixed resident set's (the cache's slots filled with the experts touched in the most steps); speed vs accelerate.
 6. With ``--cb-prompts N`` (``--throughput``: 128): transformers' ``generate_batch`` over N mixed-length prompts vs
-   static-batch ``generate`` in batches of ``--cb-static-batch``, per system (skipped with its reason when the
+   static-batch ``generate`` in batches of ``--cb-static-batch``, per system (hf_moe_offload systems: with
+   transformers' own token budget, with ``offload_batching_config``'s, and as a plain call with no config) (skipped with its reason when the
    attention implementation cannot do continuous batching).
 
    Writes the JSON first, then a PNG (needs matplotlib), and prints markdown tables. A failed row is recorded
@@ -1135,9 +1136,22 @@ def run_cb_worker(spec: dict[str, Any]) -> dict[str, Any]:
                                 lambda: continuous(model, prompts, config, sized["config"]), evictor, prompts,
                                 stats))
         del sized["config"]
+        # what a user's plain call does: the library sizes the budget and the KV cache (sizing inside the timing)
+        modes.append(timed_mode("continuous, no config given", lambda: plain_continuous(model, prompts, config),
+                                evictor, prompts, stats))
     modes.append(timed_mode(f"static, batch {spec['batch']}",
                             lambda: static_batches(model, prompts, spec["batch"], config), evictor, prompts, stats))
     return {**row, "prompts": len(prompts), "modes": modes, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def plain_continuous(model, prompts: list[list[int]], config) -> list[list[int]]:
+    """`generate_batch` with no `ContinuousBatchingConfig`: an offloaded model sizes it by itself."""
+    outputs = list(model.generate_batch(prompts, generation_config=config, progress_bar=False,
+                                        warmup=False).values())
+    failed = [o.error for o in outputs if o.error is not None]
+    if len(outputs) != len(prompts) or failed:
+        raise RuntimeError(f"generate_batch returned {len(outputs)} of {len(prompts)} requests; errors: {failed[:3]}")
+    return [list(o.generated_tokens) for o in outputs]
 
 
 def library_batching(model, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
