@@ -1692,7 +1692,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="where the random checkpoint and accelerate's offload folder live")
     p.add_argument("--out", type=Path, default=None,
                    help="output path without extension (default: benchmarks/results/cpu_mixtral_1.5gb[_warm], "
-                        "cpu_mixtral_small / _tiny, or gpu_mixtral8x7b_<gpu name>[_quick][_warm])")
+                        "cpu_mixtral_small / _tiny, or gpu_mixtral8x7b_<gpu name>[_quick][_warm]); with --out, each row is "
+                        "also appended to <out>.rows.jsonl as it finishes, removed once the report is written")
     p.add_argument("--idle-wait", type=float, default=None,
                    help="before each row, wait up to this many seconds for other work to leave the CPUs idle "
                         "(0: don't wait; default: cpu 30, cuda 0); the share of CPU other processes used during "
@@ -1768,6 +1769,7 @@ def run_rows(args: argparse.Namespace, shape: ModelShape, path: Path, rows: list
     from tqdm.auto import tqdm
 
     results = []
+    partial = rows_file(args)          # each finished row at once: a run killed at a time limit keeps them
     for row in tqdm(rows, desc="rows", unit="run"):
         waited = wait_for_idle(args.idle_wait) if args.idle_wait > 0 else 0.0
         log.info("running %s at batch %d (store %s, cap %s, %s page cache)", row["system"], row["batch"],
@@ -1781,8 +1783,22 @@ def run_rows(args: argparse.Namespace, shape: ModelShape, path: Path, rows: list
                      r["system"], r["batch"], r["prefill_tok_s"], r["decode_tok_s"], r["read_bytes_per_token"] / 1e6,
                      r["peak_rss_bytes"] / GiB)
         results.append(r)
+        if partial is not None:
+            with partial.open("a") as fh:
+                fh.write(json.dumps(r) + "\n")
     shutil.rmtree(args.workdir / "accelerate_offload", ignore_errors=True)
     return results
+
+
+def rows_file(args: argparse.Namespace) -> Path | None:
+    """`<out>.rows.jsonl`, started empty, where `run_rows` appends each row as it finishes (only with `--out`); the
+    whole report replaces it at the end."""
+    if args.out is None:
+        return None
+    path = args.out.with_name(args.out.name + ".rows.jsonl")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+    return path
 
 
 def run_cb_rows(args: argparse.Namespace, shape: ModelShape, path: Path) -> dict[str, Any]:
@@ -1947,6 +1963,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     report = run_benchmark(args, argv)
     write_outputs(report, args.out or default_out(args, report))
+    if args.out is not None:
+        args.out.with_name(args.out.name + ".rows.jsonl").unlink(missing_ok=True)
     batching = (report["continuous_batching"] or {}).get("rows", [])
     return 0 if not any("error" in r for r in report["results"] + batching) else 1
 

@@ -260,3 +260,22 @@ def test_quantize_flag_adds_quantized_rows_beside_the_dense_ones():
     row = {"ours": {"decode_step_experts_used": [6], "prefill_experts_used": 8, "cache_capacity_bytes": 400,
                     "expert_bytes": 100}}
     assert bench.floors(row, one_expert_bytes=350) == ([200], 400)
+
+
+def test_each_row_reaches_the_rows_file_as_it_finishes(tmp_path, monkeypatch):
+    """A run killed at a time limit (the GPU machine's 10 minutes a command) keeps the rows that finished."""
+    def one_row_then_killed(spec, timeout):
+        if (tmp_path / "killed").exists():
+            raise KeyboardInterrupt
+        (tmp_path / "killed").touch()
+        return {"system": spec["system"], "batch": spec["batch"], "error": "stands in for a finished row"}
+
+    monkeypatch.setattr(bench, "worker_spec", lambda args, shape, path, row: row)
+    monkeypatch.setattr(bench, "spawn_worker", one_row_then_killed)
+    args = SimpleNamespace(out=tmp_path / "run", idle_wait=0, no_evict=False, workdir=tmp_path, worker_timeout=1)
+    rows = [{"system": "accelerate", "batch": 64, "store": "cpu", "cap_bytes": None},
+            {"system": "hf_moe_offload_layer", "batch": 64, "store": "cpu", "cap_bytes": None}]
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_rows(args, None, tmp_path, rows)
+    kept = [json.loads(line) for line in (tmp_path / "run.rows.jsonl").read_text().splitlines()]
+    assert [(r["system"], r["batch"]) for r in kept] == [("accelerate", 64)]
