@@ -29,10 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
+from ._compat import cache_keyword, kv_cache
 from .policy import PolicyError
 
 logger = logging.getLogger(__name__)
@@ -195,8 +197,8 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
         >>> cpu_attention_forward(torch.nn.Module(), q, k, v, None)[0].shape
         torch.Size([1, 3, 2, 4])
     """
-    if kwargs.get("cache") is not None:     # a PagedAttentionCache: continuous batching (refused earlier)
-        raise PolicyError(CB_REFUSAL)
+    if kwargs.get("cu_seq_lens_q") is not None or isinstance(kwargs.get("cache"), PagedAttentionCache):
+        raise PolicyError(CB_REFUSAL)       # continuous batching's packed pass (generate_batch is refused earlier)
     device = query.device
     if kwargs.get("position_bias") is not None:
         kwargs["position_bias"] = kwargs["position_bias"].to(HOST)
@@ -263,20 +265,20 @@ def check_cpu_attention(model: nn.Module) -> None:
 def _cache_to_host_hook(module: nn.Module, args: tuple, kwargs: dict):
     """Forward pre-hook: the pass's cache becomes a host cache (generate's DynamicCache, in place), or a new
     HostKVCache where the model would create a DynamicCache itself."""
-    cache = kwargs.get("past_key_values")
+    _, cache = kv_cache(kwargs)
     if cache is None:
         use_cache = kwargs.get("use_cache")
         if use_cache is None:
             use_cache = getattr(module.config, "use_cache", False)
         if use_cache and len(args) <= 1 and not module.training:
-            kwargs["past_key_values"] = HostKVCache(config=module.config.get_text_config(decoder=True))
+            kwargs[cache_keyword(module.forward)] = HostKVCache(config=module.config.get_text_config(decoder=True))
     elif isinstance(cache, DynamicCache):
         move_cache_to_host(cache)
     elif isinstance(cache, Cache) and not getattr(cache, "_hf_moe_offload_warned", False):
         cache._hf_moe_offload_warned = True
         logger.warning("hf_moe_offload: CPU attention got a %s, which keeps its keys/values on the device: every "
                        "layer copies them to the host at every step. Use the default dynamic cache (no "
-                       "cache_implementation) or past_key_values=HostKVCache(config=model.config)",
+                       "cache_implementation) or cache=HostKVCache(config=model.config) (past_key_values= before transformers 5.24)",
                        type(cache).__name__)
     return args, kwargs
 

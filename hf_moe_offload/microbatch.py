@@ -46,6 +46,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
+from ._compat import CACHE_NAMES, kv_cache
 from .attention import HostLayer, HostSlidingWindowLayer
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 # convolution and recurrent states, which a slice would write for its rows only).
 SPLITTABLE_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer, HostLayer, HostSlidingWindowLayer)
 BATCH_KWARGS = ("attention_mask", "position_ids", "position_embeddings")   # sliced along the batch
-SHARED_KWARGS = ("past_key_values", "use_cache", "cache_position")          # the same for every slice
+SHARED_KWARGS = (*CACHE_NAMES, "use_cache", "cache_position")              # the same for every slice
 RECORDED_OUTPUTS = ("output_attentions", "output_router_logits")            # recorded per module call
 _local = threading.local()
 
@@ -237,7 +238,7 @@ class MicroBatchedLayers:
         batch = hidden.shape[0]
         slices = bounds(batch, self.count)
         total_tokens = batch * hidden.shape[1] if hidden.dim() > 2 else batch
-        cache = kwargs.get("past_key_values")
+        cache_name, cache = kv_cache(kwargs)
         pending: dict = {}
         outputs = []
         try:
@@ -247,7 +248,7 @@ class MicroBatchedLayers:
                 sliced = {k: (_rows_of(v, rows, batch) if k in BATCH_KWARGS or k == "hidden_states" else v)
                           for k, v in kwargs.items()}
                 if cache is not None:
-                    sliced["past_key_values"] = MicroBatchCacheView(cache, rows, i, len(slices), pending)
+                    sliced[cache_name] = MicroBatchCacheView(cache, rows, i, len(slices), pending)
                 outputs.append(forward(*sliced_args, **sliced))
         finally:
             _local.micro_batch = None
@@ -273,7 +274,7 @@ class MicroBatchedLayers:
         for value in args[1:]:
             if _has_batch_rows(value, batch):
                 return "the decoder layer gets a positional input this schedule does not know how to split"
-        return cache_refusal(kwargs.get("past_key_values"))
+        return cache_refusal(kv_cache(kwargs)[1])
 
 
 def _has_batch_rows(value: Any, batch: int) -> bool:

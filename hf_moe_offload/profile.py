@@ -36,6 +36,7 @@ from typing import Any
 import psutil
 import torch
 
+from ._compat import cache_keyword
 from ._logging import progress
 
 logger = logging.getLogger(__name__)
@@ -473,10 +474,11 @@ def _layer_overhead(device: str, seconds: float) -> tuple[float, float]:
         sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
         with torch.no_grad():
             out = model(ids, use_cache=True)
-            nxt, cache = out.logits[:, -1:].argmax(-1), out.past_key_values
+            nxt, cache = out.logits[:, -1:].argmax(-1), out.past_key_values     # also the name in 5.24+ outputs
+            keyword = cache_keyword(model.forward)
 
             def step() -> None:
-                model(nxt, past_key_values=cache, use_cache=True)   # grows by a token a step: harmless
+                model(nxt, **{keyword: cache}, use_cache=True)   # grows by a token a step: harmless
                 sync()
 
             for _ in range(3):   # warm-up: every expert read into the cache once

@@ -11,6 +11,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 import hf_moe_offload
+from hf_moe_offload._compat import cache_keyword
 from hf_moe_offload.attention import (ATTN_IMPLEMENTATION, HostKVCache, HostLayer, cpu_attention_forward,
                                       restore_attention, use_cpu_attention)
 from hf_moe_offload.policy import OffloadPolicy, PolicyError
@@ -84,7 +85,7 @@ def test_user_caches_dynamic_and_host(tiny_models):
     for cache in (DynamicCache(config=ref.config), HostKVCache(config=ref.config)):
         with torch.no_grad():
             out = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                               pad_token_id=0, past_key_values=cache)
+                               pad_token_id=0, **{cache_keyword(ref.forward): cache})
         assert torch.equal(out, expected[1].sequences)
         assert all(isinstance(layer, HostLayer) for layer in cache.layers)
         assert cache.layers[0].keys.device.type == "cpu" and cache.get_seq_length() == 7 + NEW_TOKENS - 1

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import hf_moe_offload
+from hf_moe_offload._compat import cache_keyword
 from conftest import VOCAB, offloaded, reference, token_inputs
 from hf_moe_offload.cache import ExpertCache
 from hf_moe_offload.copy_engine import CudaCopyEngine
@@ -501,7 +502,7 @@ def _decode_step(model, ids):
 
     def step():
         with torch.no_grad():
-            model(input_ids=step_ids, past_key_values=past, use_cache=True)
+            model(input_ids=step_ids, **{cache_keyword(model.forward): past}, use_cache=True)
     return step
 
 

@@ -44,7 +44,10 @@ OVERRIDES = {
     "granitemoehybrid": dict(layer_types=["linear_attention", "full_attention"], mamba_n_heads=4, mamba_d_head=16,
                              mamba_d_state=8, mamba_n_groups=1, mamba_chunk_size=8),
     "inkling2_text": dict(head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
-                          moe_intermediate_size=40),   # gate_up [80, 32] and down [32, 40]: a transpose would show
+                          moe_intermediate_size=40,   # gate_up [80, 32] and down [32, 40]: a transpose would show
+                          unpadded_vocab_size=VOCAB),  # transformers 5.24 pads the unembedding to vocab_size on save
+    "inkling2_loop_text": dict(head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2, swa_head_dim=8,
+                               moe_intermediate_size=40, unpadded_vocab_size=VOCAB),
     "lfm2_moe": dict(layer_types=["conv", "full_attention"]),
     # Two MoE layers around an attention layer; up [40, 32] and down [32, 40]: a transpose would show.
     "nemotron_h": dict(layers_block_type=["moe", "full_attention", "moe"], moe_intermediate_size=40,

@@ -52,8 +52,10 @@ from typing import Sequence
 
 import torch
 from torch import nn
+from transformers.generation.continuous_batching import PagedAttentionCache
 
 from ..arch.routing import kind_of
+from .._compat import kv_cache
 from ..hooks import LayerHook
 
 logger = logging.getLogger(__name__)
@@ -196,7 +198,7 @@ class HashPrefetcher(LayerHook):
                 self._warned_paged = True
             caller.pending, caller.table = None, None
             return
-        past = kwargs.get("past_key_values")
+        _, past = kv_cache(kwargs)
         new_sequence = past is None or past.get_seq_length() == 0 or caller.batch != ids.shape[0]
         caller.batch = ids.shape[0]
         mask = kwargs.get("attention_mask")
@@ -465,7 +467,7 @@ def _chance_routed(logits: torch.Tensor, top_k: int, valid: torch.Tensor | None)
 
 def _is_continuous_batching(forward_kwargs: dict) -> bool:
     """Whether a forward runs under transformers' continuous batching (packed sequences, a paged KV cache)."""
-    return "cu_seq_lens_q" in forward_kwargs or type(forward_kwargs.get("cache")).__name__ == "PagedAttentionCache"
+    return "cu_seq_lens_q" in forward_kwargs or isinstance(forward_kwargs.get("cache"), PagedAttentionCache)
 
 
 def _record_event(device: torch.device):
