@@ -11,10 +11,10 @@ page cache a disk store reads through). `offload_batching_config` sizes both fro
   requests at once (a whole block each: transformers' blocks are per request), beyond the plan if a share of the
   memory free now (`KV_FREE_SHARE`) holds it.
 - tokens per pass: the fewer of
-  - the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)` entries (not with
-    flash attention), fit in the activation memory the policy left for those same tokens
-    (`hf_moe_offload.auto.sequence_costs`), and
-  - where the attention builds that dense mask (sdpa, eager), the tokens that amortize a pass best: a pass costs
+  - the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)` entries (only with
+    eager attention: flash needs none, and sdpa runs packed, request by request, `packed_attention.py`), fit in the
+    activation memory the policy left for those same tokens (`hf_moe_offload.auto.sequence_costs`), and
+  - where the attention builds that dense mask (eager), the tokens that amortize a pass best: a pass costs
     each of its T tokens about R/T + α·(KV + T) (R: the seconds its expert bytes take to move, α: attention
     seconds per mask entry, both measured: `pass_costs.py`), lowest at T = √(R/α);
   but never fewer than the tokens at which a pass touches `COVERAGE` of a layer's experts (a pass of T tokens with
@@ -22,7 +22,8 @@ page cache a disk store reads through). `offload_batching_config` sizes both fro
 
 An offloaded decoder-only model sizes itself this way when `generate_batch` (or `init_continuous_batching`) gets
 no `ContinuousBatchingConfig` (`install_batching_defaults`, attached at load and removed by `disable()`), with the
-KV cache no larger than the call's own requests need (transformers' `WorkloadHints`).
+KV cache no larger than the call's own requests need (transformers' `WorkloadHints`). The same wrapper switches an
+sdpa model to packed attention for the run, config given or not.
 
 transformers' default scheduler, "fifo", is decode-maximal (SARATHI): every pass carries every running decode first
 and fills the rest of the token budget with prompt chunks (see docs/continuous_batching.md); "prefill_first" is not
@@ -54,6 +55,7 @@ from transformers.utils.generic import is_flash_attention_requested
 
 from .auto import sequence_costs
 from .engine import get_engine
+from .packed_attention import runs_packed, use_packed_attention
 from .pass_costs import PassCosts, measure_pass_costs
 from .policy import PolicyError, format_bytes
 
@@ -80,7 +82,7 @@ class TokenBudget:
     kv_tokens: int          # max_batch_size x max_seq_len from the policy (fewer if a call's requests need fewer)
     coverage_tokens: int    # the floor: tokens at which a pass touches COVERAGE of a layer's experts
     memory_tokens: int      # the most tokens whose activations and mask fit the memory left for them
-    amortizing_tokens: int | None = None   # √(R/α) where the attention builds a dense mask, else None
+    amortizing_tokens: int | None = None   # √(R/α) where the attention builds a dense mask (eager), else None
     costs: PassCosts | None = None         # the measured R and α behind `amortizing_tokens`
     holds_every_request: bool = False      # a call's requests all fit at their longest: no free-block margin needed
 
@@ -116,7 +118,7 @@ def tokens_within_activation_memory(kv_tokens: int, activation_bytes_per_token: 
     Example:
         >>> tokens_within_activation_memory(4096, 537088, 0)    # Mixtral-8x7B bf16, flash attention
         4096
-        >>> tokens_within_activation_memory(4096, 537088, 2)    # sdpa: the bf16 mask takes a share
+        >>> tokens_within_activation_memory(4096, 537088, 2)    # eager: the bf16 mask takes a share
         3976
     """
     budget = kv_tokens * activation_bytes_per_token
@@ -139,6 +141,8 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
 
     Example:
         >>> token_budget(mixtral_8x7b_bf16_sdpa_offloaded, page_size=256)      # doctest: +SKIP
+        TokenBudget(max_batch_tokens=4096, num_blocks=16, kv_tokens=4096, coverage_tokens=17, memory_tokens=4096, ...)
+        >>> token_budget(mixtral_8x7b_bf16_eager_offloaded, page_size=256)     # doctest: +SKIP
         TokenBudget(max_batch_tokens=1093, num_blocks=16, kv_tokens=4096, coverage_tokens=17, memory_tokens=3976, ...)
     """
     engine = _causal_engine(model)
@@ -158,7 +162,7 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
         kv_tokens = min(kv_tokens, workload.num_requests * length)
         holds_every_request = blocks >= need
     activation = sequence_costs(model.config, model.dtype)["activation_bytes_per_token"]
-    dense_mask = not is_flash_attention_requested(model.config)
+    dense_mask = not is_flash_attention_requested(model.config) and not runs_packed(model)
     mask_entry = model.dtype.itemsize if dense_mask else 0
     floor = max(coverage_tokens(layer.num_experts, layer.top_k) for layer in engine.layers)
     memory = tokens_within_activation_memory(kv_tokens, activation, mask_entry)
@@ -251,8 +255,10 @@ def install_batching_defaults(model: nn.Module) -> Callable[[], None] | None:
         reused = getattr(model, "_cached_continuous_batching_manager", None) is not None   # its config stays
         if not given and not reused:
             continuous_batching_config = offload_batching_config(model, workload=workload_hints)
-        return original(generation_config=generation_config, continuous_batching_config=continuous_batching_config,
-                        workload_hints=workload_hints, **kwargs)
+        manager = original(generation_config=generation_config, continuous_batching_config=continuous_batching_config,
+                           workload_hints=workload_hints, **kwargs)
+        use_packed_attention(model, manager)     # before its first pass: no dense mask of every request's keys
+        return manager
 
     model.init_continuous_batching = init_continuous_batching
 

@@ -139,7 +139,7 @@ def test_budget_follows_policy_hints(tiny_models, caplog):
     budget = token_budget(model, 16)
     assert budget.kv_tokens == 4 * 32
     assert cb.num_blocks == 4 * 32 // 16                          # KV for max_batch_size x max_seq_len
-    assert budget.coverage_tokens <= cb.max_batch_tokens <= 4 * 32  # the mask takes its share of activations
+    assert cb.max_batch_tokens == 4 * 32                  # sdpa runs packed: no mask takes a share of activations
     assert cb.max_batch_tokens == budget.max_batch_tokens and cb.scheduler_type == "fifo"
     assert cb.use_cuda_graph is False                     # the offloaded forward cannot be captured
     assert f"max_batch_tokens={cb.max_batch_tokens} num_blocks={cb.num_blocks}" in caplog.text
@@ -159,8 +159,10 @@ def _costs(amortizing: int) -> PassCosts:
 
 
 def test_amortizing_tokens_cap_the_budget_between_floor_and_memory(tiny_models):
+    """Eager attention keeps transformers' dense mask of every request's keys: the sqrt(R/alpha) rule caps it."""
     model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=4,
                       max_seq_len=32)
+    model.set_attn_implementation("eager")
     memory = token_budget(model, 16, amortize=False).max_batch_tokens
     floor = coverage_tokens(6, 2)
     assert floor < 40 < memory
@@ -179,6 +181,9 @@ def test_nothing_is_measured_without_a_dense_mask_or_with_a_given_budget(tiny_mo
 
     monkeypatch.setattr(batching, "measure_pass_costs", refuse)
     assert offload_batching_config(model, page_size=16, max_batch_tokens=24).max_batch_tokens == 24
+    budget = token_budget(model, 16)                      # sdpa: runs packed, request by request, no mask
+    assert budget.amortizing_tokens is None and budget.max_batch_tokens == budget.memory_tokens == 4 * 32
+    model.set_attn_implementation("eager")
     monkeypatch.setattr(batching, "is_flash_attention_requested", lambda config: True)   # flash: no mask to build
     budget = token_budget(model, 16)
     assert budget.amortizing_tokens is None and budget.max_batch_tokens == budget.memory_tokens == 4 * 32
