@@ -3,7 +3,9 @@
 `offload_batching_config`'s (measured R and alpha, see docs/continuous_batching.md), fixed ones, all on the same KV
 cache (a block per prompt), and a plain `generate_batch` call with no config (the library sizes both), alternated in
 one process over `generate_batch` of mixed-length prompts; generated tokens/s, forward passes and disk bytes per
-generated token, page cache dropped before every forward pass (disk store).
+generated token, page cache dropped before every forward pass (disk store). `--attention packed dense` runs each
+budget both with the library's packed attention (request by request, `hf_moe_offload.packed_attention`) and with
+transformers' sdpa over its dense mask of every request's keys (what ran before packed attention).
 
 Example (the table in docs/continuous_batching.md; ~7 min on 2 cores, after scripts/bench.py built the model):
     HF_HUB_OFFLINE=1 python scripts/ab_batching.py --store disk --repeats 2 --fixed 512
@@ -33,11 +35,14 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--fixed", type=int, nargs="*", default=[512], help="fixed max_batch_tokens to add")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--attention", nargs="+", choices=("packed", "dense"), default=["packed"],
+                        help="continuous batching's attention: the library's packed one, and/or sdpa's dense mask")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     import torch
     from transformers import AutoModelForCausalLM
 
+    from hf_moe_offload import batching
     from hf_moe_offload.batching import token_budget
 
     torch.set_num_threads(1)
@@ -52,16 +57,31 @@ def main() -> None:
     evictor = bench.ForwardEvictor(files if args.store == "disk" else None)
     model.register_forward_pre_hook(evictor)
     base = bench.cb_config(prompts, args.new_tokens)
-    start = time.perf_counter()
-    budget = token_budget(model, base.page_size)           # what offload_batching_config picks, measured now
-    print(f"offload_batching_config: {budget.max_batch_tokens} tokens/pass (memory rule {budget.memory_tokens}, "
-          f"amortizing {budget.amortizing_tokens}; {budget.costs}) sized in {time.perf_counter() - start:.2f} s")
-    bench.continuous(model, prompts[:2], bench.greedy_config(1))          # untimed: one-time costs
-    budgets = [("transformers' default", None), ("offload_batching_config", budget.max_batch_tokens)]
-    budgets += [(f"fixed {n}", n) for n in args.fixed]
-    budgets += [("no config given (generate_batch sizes itself, KV cache included)", "plain")]
+    packed_functions = (batching.use_packed_attention, batching.runs_packed)
+
+    def attention(kind: str) -> None:
+        """Packed attention on, or off as before it existed (sdpa over the dense mask, budget capped by sqrt(R/a))."""
+        if kind == "packed":
+            batching.use_packed_attention, batching.runs_packed = packed_functions
+        else:
+            batching.use_packed_attention, batching.runs_packed = (lambda model, manager: False), (lambda model: False)
+
+    budgets = []
+    for kind in args.attention:
+        attention(kind)
+        start = time.perf_counter()
+        budget = token_budget(model, base.page_size)       # what offload_batching_config picks, measured now
+        print(f"{kind}: offload_batching_config: {budget.max_batch_tokens} tokens/pass (memory rule "
+              f"{budget.memory_tokens}, amortizing {budget.amortizing_tokens}; {budget.costs}) sized in "
+              f"{time.perf_counter() - start:.2f} s")
+        bench.continuous(model, prompts[:2], bench.greedy_config(1))      # untimed: one-time costs
+        budgets += [(kind, "transformers' default", None), (kind, "offload_batching_config", budget.max_batch_tokens)]
+        budgets += [(kind, f"fixed {n}", n) for n in args.fixed]
+        budgets += [(kind, "no config given (generate_batch sizes itself, KV cache included)", "plain")]
     for _ in range(args.repeats):
-        for name, tokens in budgets:
+        for kind, name, tokens in budgets:
+            attention(kind)
+            name = f"{kind} attention, {name}"
             evictor(None, None)
             evictor.calls, evictor.seconds = 0, 0.0
             reads, start = bench.proc_read_bytes(), time.perf_counter()

@@ -39,8 +39,10 @@ What it does, in one invocation:
    fixed resident set's (the cache's slots filled with the experts touched in the most steps); speed vs accelerate.
 6. With ``--cb-prompts N`` (``--throughput``: 128): transformers' ``generate_batch`` over N mixed-length prompts vs
    static-batch ``generate`` in batches of ``--cb-static-batch``, per system (hf_moe_offload systems: with
-   transformers' own token budget, with ``offload_batching_config``'s, and as a plain call with no config) (skipped with its reason when the
-   attention implementation cannot do continuous batching).
+   transformers' own token budget, with ``offload_batching_config``'s, and as a plain call with no config; all
+   three run hf_moe_offload's packed attention in place of sdpa's dense mask), and the resident row with sdpa and
+   with packed attention (the token reference for the packed modes) (skipped with its reason when the attention
+   implementation cannot do continuous batching).
 
    Writes the JSON first, then a PNG (needs matplotlib), and prints markdown tables. A failed row is recorded
    with its error and the run goes on; the exit status is then 1.
@@ -1127,8 +1129,17 @@ def run_cb_worker(spec: dict[str, Any]) -> dict[str, Any]:
         stats = lambda: dict(hf_moe_offload.stats(model))  # noqa: E731
     continuous(model, prompts[:2], greedy_config(1))         # untimed: one-time costs of both paths
     static_batches(model, prompts[:2], 2, greedy_config(1))
+    from hf_moe_offload.packed_attention import runs_packed
+
+    # an offloaded model runs sdpa's continuous batching request by request (packed attention): its mode says so,
+    # and the resident row runs it too, as the token reference with the same attention arithmetic
+    packed = runs_packed(model)
+    name = "continuous, packed attention" if packed and stats is not None else "continuous"
     # generate_batch's thread writes tensors in place: no inference_mode around it (it runs under no_grad)
-    modes = [timed_mode("continuous", lambda: continuous(model, prompts, config), evictor, prompts, stats)]
+    modes = [timed_mode(name, lambda: continuous(model, prompts, config), evictor, prompts, stats)]
+    if packed and stats is None:
+        modes.append(timed_mode("continuous, packed attention", lambda: packed_continuous(model, prompts, config),
+                                evictor, prompts, stats))
     if stats is not None:      # the library's token budget (measured pass costs), sized before the timed run
         sized = library_batching(model, prompts, config.max_new_tokens)
         row["library_batching"] = sized
@@ -1142,6 +1153,25 @@ def run_cb_worker(spec: dict[str, Any]) -> dict[str, Any]:
     modes.append(timed_mode(f"static, batch {spec['batch']}",
                             lambda: static_batches(model, prompts, spec["batch"], config), evictor, prompts, stats))
     return {**row, "prompts": len(prompts), "modes": modes, "peak_rss_bytes": peak_rss_bytes()}
+
+
+def packed_continuous(model, prompts: list[list[int]], config) -> list[list[int]]:
+    """`continuous` with hf_moe_offload's packed attention on a model that is not offloaded (the resident row):
+    what an offloaded model's `generate_batch` runs in place of sdpa over a dense mask."""
+    from hf_moe_offload.packed_attention import use_packed_attention
+
+    init = model.init_continuous_batching
+
+    def init_packed(*args, **kwargs):
+        manager = init(*args, **kwargs)
+        use_packed_attention(model, manager)
+        return manager
+
+    model.init_continuous_batching = init_packed
+    try:
+        return continuous(model, prompts, config)
+    finally:
+        del model.init_continuous_batching          # the class's method again
 
 
 def plain_continuous(model, prompts: list[list[int]], config) -> list[list[int]]:
@@ -1164,7 +1194,10 @@ def library_batching(model, prompts: list[list[int]], new_tokens: int) -> dict[s
     budget = token_budget(model, base.page_size)
     config = offload_batching_config(model, base=base, pass_costs=budget.costs)
     costs = budget.costs
-    return {"config": config, "max_batch_tokens": config.max_batch_tokens, "memory_tokens": budget.memory_tokens,
+    from hf_moe_offload.packed_attention import runs_packed
+
+    return {"config": config, "attention": "packed" if runs_packed(model) else model.config._attn_implementation,
+            "max_batch_tokens": config.max_batch_tokens, "memory_tokens": budget.memory_tokens,
             "amortizing_tokens": budget.amortizing_tokens, "sizing_s": time.perf_counter() - start,
             "pass_costs": None if costs is None else {
                 "fixed_s": costs.fixed_s, "attention_s_per_entry": costs.attention_s_per_entry,
