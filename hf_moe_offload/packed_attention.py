@@ -46,31 +46,38 @@ _GQA_IN_SDPA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 5)
 
 
 class _PassLayout(threading.local):
-    """The host-side request boundaries of the pass now running, read once per pass (not once per layer: on CUDA
-    each read is a device sync), with the gather index and padding mask of its decodes, per device and set of decodes."""
+    """The host-side request boundaries of the pass now running, read once per pass and layer type (not once per
+    layer: on CUDA each read is a device sync), with the gather index and padding mask of its decodes."""
 
-    key: tuple | None = None
+    queries: torch.Tensor | None = None     # held, so no later tensor can reuse its memory while it is compared
+    version: int = -1
     cq: list[int] = []
-    ck: list[int] = []
-    decode_gather: dict = {}
+    keys: list = []                          # (cu_k tensor, its version, its host list, decode gathers) per type
 
 
 _layout = _PassLayout()
 
 
-def _boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[list[int], list[int]]:
-    """`cu_q` / `cu_k` as host lists; the batch processor rewrites them in place every pass, which bumps their
-    version counters, so (storage, version) names one pass's values."""
-    key = (cu_q.data_ptr(), cu_q._version, cu_q.shape[0], cu_k.data_ptr(), cu_k._version, cu_k.shape[0])
-    if _layout.key != key:
-        _layout.key, _layout.cq, _layout.ck, _layout.decode_gather = key, cu_q.tolist(), cu_k.tolist(), {}
-    return _layout.cq, _layout.ck
+def _boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[list[int], list[int], dict]:
+    """`cu_q` / `cu_k` as host lists, and the decode-gather memo of this pass and key boundaries. Every layer of a
+    pass gets the same tensors (one `cu_k` per layer type); the batch processor rewrites them in place between
+    passes, which bumps their version counters, or hands new ones: the same objects at the same versions name one
+    pass's values."""
+    if _layout.queries is not cu_q or _layout.version != cu_q._version:
+        _layout.queries, _layout.version, _layout.cq, _layout.keys = cu_q, cu_q._version, cu_q.tolist(), []
+    for tensor, version, ck, gathers in _layout.keys:
+        if tensor is cu_k and version == cu_k._version:
+            return _layout.cq, ck, gathers
+    entry = (cu_k, cu_k._version, cu_k.tolist(), {})
+    _layout.keys.append(entry)
+    return _layout.cq, entry[2], entry[3]
 
 
-def _decode_gather(decodes: list[int], ck: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def _decode_gather(decodes: list[int], ck: list[int], device: torch.device,
+                   memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
     """For the requests `decodes` (one query token each): the index [n, L] of their keys in the packed keys,
     padded to the longest L by repeating its last key, and the mask [n, 1, 1, L] of the real ones."""
-    cached = _layout.decode_gather.get((device, tuple(decodes)))
+    cached = memo.get((device, tuple(decodes)))
     if cached is None:
         starts = torch.tensor([ck[i] for i in decodes])
         lengths = torch.tensor([ck[i + 1] - ck[i] for i in decodes])
@@ -78,7 +85,7 @@ def _decode_gather(decodes: list[int], ck: list[int], device: torch.device) -> t
         real = steps[None, :] < lengths[:, None]
         index = starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)
         cached = (index.to(device), real[:, None, None, :].to(device))
-        _layout.decode_gather[(device, tuple(decodes))] = cached
+        memo[(device, tuple(decodes))] = cached
     return cached
 
 
@@ -141,7 +148,7 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if not isinstance(kwargs.get("cu_seq_lens_k"), torch.Tensor):
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} got a continuous-batching pass whose keys "
                            "were not read from the paged cache (cu_seq_lens_k is not one layer's boundaries)")
-    cq, ck = _boundaries(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
+    cq, ck, gathers = _boundaries(kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"])
     window = _layer_window(module)
     groups = getattr(module, "num_key_value_groups", 1)
     out = query.new_empty(query.shape)
@@ -157,7 +164,7 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         out[:, :, cq[i]:cq[i + 1]] = _sdpa(query[:, :, cq[i]:cq[i + 1]], key[:, :, ck[i]:ck[i + 1]],
                                            value[:, :, ck[i]:ck[i + 1]], mask, causal, scaling, groups)
     if decodes:
-        index, real = _decode_gather(decodes, ck, query.device)
+        index, real = _decode_gather(decodes, ck, query.device, gathers)
         rows = torch.tensor([cq[i] for i in decodes], device=query.device)
         q = query[0, :, rows].transpose(0, 1).unsqueeze(2)                        # [n, heads, 1, d]
         k = key[0][:, index].transpose(0, 1)                                      # [n, kv_heads, L, d]

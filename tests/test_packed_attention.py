@@ -160,3 +160,29 @@ def test_eager_models_keep_their_dense_mask(tiny_models, spy):
     assert spy.calls == 0 and model.config._attn_implementation == "eager"
     stats = hf_moe_offload.stats(model)
     assert stats["peak_cache_bytes"] <= stats["cache_capacity_bytes"]
+
+
+def test_boundaries_are_read_again_for_each_pass_and_layer_type():
+    """The per-pass memo of the request boundaries: two layer types alternate within a pass, and the next pass
+    rewrites the same tensors in place (what transformers' batch processor does) with other requests."""
+    g = torch.Generator().manual_seed(1)
+    module = Attention(4, 2, None)
+    cu_q, cu_full, cu_sliding = (torch.zeros(4, dtype=torch.int32) for _ in range(3))
+    for requests in ([(1, 5), (1, 9), (4, 4)], [(3, 3), (1, 12), (1, 2)]):       # pass 1, then pass 2
+        cq, ck = [0], [0]
+        for q_len, k_len in requests:
+            cq.append(cq[-1] + q_len)
+            ck.append(ck[-1] + k_len)
+        cu_q.copy_(torch.tensor(cq))
+        cu_full.copy_(torch.tensor(ck))
+        cu_sliding.copy_(torch.tensor(ck))
+        query = torch.randn(1, 4, cq[-1], 8, generator=g)
+        key, value = (torch.randn(1, 2, ck[-1], 8, generator=g) for _ in range(2))
+        for layer_type, cu_k, window in [("full_attention", cu_full, None), ("sliding_attention", cu_sliding, 3)] * 2:
+            module.config.sliding_window = window
+            mask = torch.full((1, 1, cq[-1], ck[-1]), torch.finfo(torch.float32).min)
+            build_attention_mask(mask, cq, ck, sliding_window=window or 1)
+            expected, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.3)
+            packed, _ = packed_attention_forward(module, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu_q,
+                                                 cu_seq_lens_k=cu_k, max_length_k=max(ck))
+            torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-6)
