@@ -73,10 +73,10 @@ def _boundaries(cu_q: torch.Tensor, cu_k: torch.Tensor) -> tuple[list[int], list
     return _layout.cq, entry[2], entry[3]
 
 
-def _decode_gather(decodes: list[int], ck: list[int], device: torch.device,
-                   memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
-    """For the requests `decodes` (one query token each): the index [n, L] of their keys in the packed keys,
-    padded to the longest L by repeating its last key, and the mask [n, 1, 1, L] of the real ones."""
+def _decode_gather(decodes: list[int], cq: list[int], ck: list[int], device: torch.device,
+                   memo: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For the requests `decodes` (one query token each): their query rows [n], the index [n, L] of their keys in
+    the packed keys, padded to the longest L by repeating its last key, and the mask [n, 1, 1, L] of the real ones."""
     cached = memo.get((device, tuple(decodes)))
     if cached is None:
         starts = torch.tensor([ck[i] for i in decodes])
@@ -84,7 +84,8 @@ def _decode_gather(decodes: list[int], ck: list[int], device: torch.device,
         steps = torch.arange(int(lengths.max()))
         real = steps[None, :] < lengths[:, None]
         index = starts[:, None] + torch.minimum(steps[None, :], lengths[:, None] - 1)
-        cached = (index.to(device), real[:, None, None, :].to(device))
+        rows = torch.tensor([cq[i] for i in decodes])
+        cached = (rows.to(device), index.to(device), real[:, None, None, :].to(device))
         memo[(device, tuple(decodes))] = cached
     return cached
 
@@ -164,8 +165,7 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         out[:, :, cq[i]:cq[i + 1]] = _sdpa(query[:, :, cq[i]:cq[i + 1]], key[:, :, ck[i]:ck[i + 1]],
                                            value[:, :, ck[i]:ck[i + 1]], mask, causal, scaling, groups)
     if decodes:
-        index, real = _decode_gather(decodes, ck, query.device, gathers)
-        rows = torch.tensor([cq[i] for i in decodes], device=query.device)
+        rows, index, real = _decode_gather(decodes, cq, ck, query.device, gathers)
         q = query[0, :, rows].transpose(0, 1).unsqueeze(2)                        # [n, heads, 1, d]
         k = key[0][:, index].transpose(0, 1)                                      # [n, kv_heads, L, d]
         v = value[0][:, index].transpose(0, 1)
