@@ -153,6 +153,8 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     window = _layer_window(module)
     groups = getattr(module, "num_key_value_groups", 1)
     out = query.new_empty(query.shape)
+    if cq[-1] < query.shape[2]:
+        out[:, :, cq[-1]:] = 0             # padded query tokens (static shapes) belong to no request
     decodes = []
     for i in range(len(cq) - 1):
         q_len, k_len = cq[i + 1] - cq[i], ck[i + 1] - ck[i]

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AttentionInterface, GenerationConfig
 from transformers.generation.continuous_batching import PagedAttentionCache
@@ -186,3 +187,16 @@ def test_boundaries_are_read_again_for_each_pass_and_layer_type():
             packed, _ = packed_attention_forward(module, query, key, value, None, scaling=0.3, cu_seq_lens_q=cu_q,
                                                  cu_seq_lens_k=cu_k, max_length_k=max(ck))
             torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_padded_query_tokens_get_zeros_not_garbage():
+    """With static shapes the pass has query tokens past the last request's; they attend to nothing."""
+    g = torch.Generator().manual_seed(2)
+    module = Attention(2, 2, None)
+    query = torch.randn(1, 2, 5, 4, generator=g)                  # 3 real tokens (one request), 2 padding
+    key, value = (torch.randn(1, 2, 3, 4, generator=g) for _ in range(2))
+    out, _ = packed_attention_forward(module, query, key, value, None, cu_seq_lens_q=torch.tensor([0, 3, 3]),
+                                      cu_seq_lens_k=torch.tensor([0, 3, 3]), max_length_k=3)
+    assert out.shape == (1, 5, 2, 4) and torch.equal(out[0, 3:], torch.zeros(2, 2, 4))
+    expected = F.scaled_dot_product_attention(query[:, :, :3], key, value, is_causal=True)
+    torch.testing.assert_close(out[:, :3], expected.transpose(1, 2))
