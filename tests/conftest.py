@@ -67,6 +67,23 @@ def token_inputs(batch: int, length: int, seed: int = 1, left_pad: bool = False)
     return ids, mask
 
 
+def prompt_ids(lengths: tuple[int, ...], seed: int = 4) -> list[list[int]]:
+    """Random prompts of the given lengths as token-id lists (what `generate_batch` takes)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+
+
+def generate_each(model, prompts: list[list[int]], generation_config) -> list[list[int]]:
+    """`generate` one prompt at a time, new tokens up to and including EOS (as `generate_batch` reports them): the
+    reference continuous batching must reproduce."""
+    eos, tokens = generation_config.eos_token_id, []
+    for p in prompts:
+        new = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             generation_config=generation_config)[0, len(p):].tolist()
+        tokens.append(new[:new.index(eos) + 1] if eos in new else new)
+    return tokens
+
+
 def build_tiny(family: str, path, seed: int = 0, dtype: torch.dtype = torch.float32, **save_kwargs) -> str:
     """Build a tiny `family` model with random weights and save it in the Hub layout at `path`."""
     torch.manual_seed(seed)

@@ -13,7 +13,7 @@ from transformers.generation.continuous_batching import scheduler as cb_schedule
 from transformers.generation.continuous_batching.requests import RequestStatus
 
 import hf_moe_offload
-from conftest import VOCAB, offloaded, reference
+from conftest import generate_each, offloaded, prompt_ids, reference
 from hf_moe_offload import batching
 from hf_moe_offload.batching import coverage_tokens, experts_touched, offload_batching_config, token_budget
 from hf_moe_offload.pass_costs import PassCosts, measure_pass_costs
@@ -27,8 +27,7 @@ GEN = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=2, pad_to
 
 
 def _prompts(lengths=(5, 23, 9, 31, 3)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(4)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    return prompt_ids(lengths)
 
 
 def _cb_config(max_batch_tokens: int, scheduler_type: str = "fifo") -> ContinuousBatchingConfig:
@@ -40,16 +39,6 @@ def _generate_batch(model, prompts, cb_config) -> list[list[int]]:
     out = model.generate_batch(prompts, generation_config=GEN, continuous_batching_config=cb_config)
     assert len(out) == len(prompts) and not [o.error for o in out.values() if o.error]   # failures are only logged
     return [o.generated_tokens for o in out.values()]
-
-
-def _plain_generate(model, prompts) -> list[list[int]]:
-    """`generate` one prompt at a time, new tokens up to and including EOS (as generate_batch reports them)."""
-    tokens = []
-    for p in prompts:
-        new = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             generation_config=GEN)[0, len(p):].tolist()
-        tokens.append(new[:new.index(2) + 1] if 2 in new else new)
-    return tokens
 
 
 class PassLog(list):
@@ -75,7 +64,7 @@ class PassLog(list):
 def references(tiny_models):
     """family -> (unpatched model, its plain `generate` tokens per prompt)."""
     models = {f: reference(f, tiny_models[f]) for f in FAMILIES}
-    return {f: (m, _plain_generate(m, _prompts())) for f, m in models.items()}
+    return {f: (m, generate_each(m, _prompts(), GEN)) for f, m in models.items()}
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))

@@ -17,7 +17,7 @@ from transformers.generation.continuous_batching.utils import build_attention_ma
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_moe_offload
-from conftest import VOCAB, offloaded, reference
+from conftest import generate_each, offloaded, prompt_ids, reference
 from hf_moe_offload import packed_attention
 from hf_moe_offload.packed_attention import ATTN_IMPLEMENTATION, packed_attention_forward
 
@@ -101,18 +101,8 @@ def test_packed_attention_refuses_calls_outside_continuous_batching():
                                  cu_seq_lens_k={"full_attention": torch.tensor([0, 3])}, softcap=30.0)
 
 
-def _prompts(lengths=(5, 23, 9, 31, 3, 17)) -> list[list[int]]:
-    g = torch.Generator().manual_seed(4)
-    return [torch.randint(3, VOCAB, (n,), generator=g).tolist() for n in lengths]
-
-
-def _plain_generate(model, prompts) -> list[list[int]]:
-    tokens = []
-    for p in prompts:
-        new = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                             generation_config=GEN)[0, len(p):].tolist()
-        tokens.append(new[:new.index(2) + 1] if 2 in new else new)
-    return tokens
+def _prompts() -> list[list[int]]:
+    return prompt_ids((5, 23, 9, 31, 3, 17))
 
 
 class Spy:
@@ -136,7 +126,7 @@ def spy():
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_generate_batch_runs_packed_attention_with_the_unpatched_tokens(tiny_models, spy, family):
-    expected = _plain_generate(reference(family, tiny_models[family]), _prompts())
+    expected = generate_each(reference(family, tiny_models[family]), _prompts(), GEN)
     model = offloaded(family, tiny_models[family], **POLICY)
     assert model.config._attn_implementation == "sdpa"
     out = model.generate_batch(_prompts(), generation_config=GEN, persistent_manager=True)
