@@ -29,12 +29,11 @@ from typing import Any
 import torch
 from torch import nn
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
-from transformers.generation.continuous_batching import PagedAttentionCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ._compat import cache_keyword, kv_cache
+from ._compat import cache_keyword, is_continuous_batching, kv_cache
 from .policy import PolicyError
 
 logger = logging.getLogger(__name__)
@@ -197,7 +196,7 @@ def cpu_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Ten
         >>> cpu_attention_forward(torch.nn.Module(), q, k, v, None)[0].shape
         torch.Size([1, 3, 2, 4])
     """
-    if kwargs.get("cu_seq_lens_q") is not None or isinstance(kwargs.get("cache"), PagedAttentionCache):
+    if is_continuous_batching(kwargs):
         raise PolicyError(CB_REFUSAL)       # continuous batching's packed pass (generate_batch is refused earlier)
     device = query.device
     if kwargs.get("position_bias") is not None:
@@ -278,7 +277,8 @@ def _cache_to_host_hook(module: nn.Module, args: tuple, kwargs: dict):
         cache._hf_moe_offload_warned = True
         logger.warning("hf_moe_offload: CPU attention got a %s, which keeps its keys/values on the device: every "
                        "layer copies them to the host at every step. Use the default dynamic cache (no "
-                       "cache_implementation) or cache=HostKVCache(config=model.config) (past_key_values= before transformers 5.24)",
+                       "cache_implementation) or cache=HostKVCache(config=model.config) (past_key_values= before "
+                       "transformers 5.24)",
                        type(cache).__name__)
     return args, kwargs
 

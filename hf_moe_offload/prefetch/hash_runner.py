@@ -52,10 +52,9 @@ from typing import Sequence
 
 import torch
 from torch import nn
-from transformers.generation.continuous_batching import PagedAttentionCache
 
 from ..arch.routing import kind_of
-from .._compat import kv_cache
+from .._compat import is_continuous_batching, kv_cache
 from ..hooks import LayerHook
 
 logger = logging.getLogger(__name__)
@@ -189,7 +188,7 @@ class HashPrefetcher(LayerHook):
         caller = self._caller()
         caller.predicted, caller.issued = {}, {}
         ids = kwargs.get("input_ids", args[0] if args else None)
-        if ids is None or _is_continuous_batching(kwargs):
+        if ids is None or is_continuous_batching(kwargs):
             # inputs_embeds only: nothing to hash. Continuous batching packs a different set of requests into one
             # row every pass, which a per-row causal state cannot follow: the router decides alone there.
             if ids is not None and self.routing == "predicted" and not self._warned_paged:
@@ -463,11 +462,6 @@ def _chance_routed(logits: torch.Tensor, top_k: int, valid: torch.Tensor | None)
         chance = chance * valid[:, None, None].to(chance.dtype)
     miss_all = torch.log1p(-chance.clamp(max=1.0 - 1e-6)).sum(dim=0)
     return 1.0 - torch.exp(miss_all)
-
-
-def _is_continuous_batching(forward_kwargs: dict) -> bool:
-    """Whether a forward runs under transformers' continuous batching (packed sequences, a paged KV cache)."""
-    return "cu_seq_lens_q" in forward_kwargs or isinstance(forward_kwargs.get("cache"), PagedAttentionCache)
 
 
 def _record_event(device: torch.device):
