@@ -5,7 +5,7 @@
     accelerate launch --num_processes 2 --cpu examples/generate_data_parallel.py --out out.jsonl
 
 `--prompts` is a JSON-lines file with a "text" field (default: the demo model's held-out texts, cut to 24 words);
-each process takes every n-th prompt (`hf_moe_offload.distributed.map_sharded`), generates greedily in batches, and
+each process takes every n-th prompt (`hf_moe_offload.integrations.distributed.map_sharded`), generates greedily in batches, and
 rank 0 writes one line per prompt, in order. On a GPU machine each process uses the GPU of its local rank.
 """
 
@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_moe_offload
 from hf_moe_offload.demo import DEMO_MODEL
-from hf_moe_offload.distributed import device_for_rank, launch_world, map_sharded
+from hf_moe_offload.integrations.distributed import device_for_rank, launch_world, map_sharded
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", default=str(DEMO_MODEL))

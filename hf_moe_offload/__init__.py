@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from ._logging import follow_transformers_logging
 from .arch import UnsupportedModelError, supported_model_types
-from .batching import offload_batching_config
-from .checkpoint import CheckpointError
-from .engine import get_engine
+from .batching.config import offload_batching_config
+from .storage.checkpoint import CheckpointError
+from .runtime.engine import get_engine
 from .hooks import LayerHook
-from .loading import disable, enable
-from .patch import from_pretrained, install
-from .policy import OffloadPolicy, PolicyError
+from .loading.load import disable, enable
+from .loading.patch import from_pretrained, install
+from .policy.offload_policy import OffloadPolicy, PolicyError
 from .stats import StatsSnapshot
 
 __version__ = "0.1.0"
@@ -34,7 +34,7 @@ def stats(model) -> StatsSnapshot:
     engine = get_engine(model)
     if engine is None:
         raise PolicyError("this model is not offloaded by hf_moe_offload (no stats)")
-    from .planner import plan_stats
+    from .planning.planner import plan_stats
 
     snapshot = engine.stats_snapshot()
     snapshot.update(plan_stats(engine))   # the auto plan's predicted tok/s beside snapshot["measured"]

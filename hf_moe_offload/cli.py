@@ -24,7 +24,7 @@ import shlex
 import sys
 
 from . import __version__
-from .policy import PolicyError
+from .policy.offload_policy import PolicyError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .profile import MachineProfile, ProfileError, default_profile_path, measure
+    from .planning.profile import MachineProfile, ProfileError, default_profile_path, measure
 
     path = args.out or default_profile_path()
     if args.show:
@@ -125,9 +125,9 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .planner import ModelShape, make_plan
-    from .policy import parse_size
-    from .profile import ProfileError, load_profile
+    from .planning.planner import ModelShape, make_plan
+    from .policy.offload_policy import parse_size
+    from .planning.profile import ProfileError, load_profile
 
     try:
         profile = load_profile(args.profile)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .policy import OffloadPolicy
+from .policy.offload_policy import OffloadPolicy
 
 DEMO_MODEL = Path(__file__).parent / "demo_model"
 DEMO_PROMPTS = ["The import statement", "A list comprehension", "Exceptions are raised"]

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .checkpoint import BlockScales, ByteRange
+from .storage.checkpoint import BlockScales, ByteRange
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 cache (a block per prompt), and a plain `generate_batch` call with no config (the library sizes both), alternated in
 one process over `generate_batch` of mixed-length prompts; generated tokens/s, forward passes and disk bytes per
 generated token, page cache dropped before every forward pass (disk store). `--attention packed dense` runs each
-budget both with the library's packed attention (request by request, `hf_moe_offload.packed_attention`) and with
+budget both with the library's packed attention (request by request, `hf_moe_offload.attention.packed`) and with
 transformers' sdpa over its dense mask of every request's keys (what ran before packed attention).
 
 Example (the table in docs/continuous_batching.md; ~7 min on 2 cores, after scripts/bench.py built the model):
@@ -44,8 +44,8 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from hf_moe_offload import batching
-    from hf_moe_offload.batching import token_budget
+    from hf_moe_offload.batching import config as batching
+    from hf_moe_offload.batching.config import token_budget
 
     torch.set_num_threads(1)
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)

@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """A/B of the disk store's read pattern inside a batched decode: chunk size, chunk threads, readers per copy engine
-and kernel read-ahead (module constants of hf_moe_offload.store / copy_engine, set before loading), alternated and
+and kernel read-ahead (module constants of hf_moe_offload.storage.store / copy_engine, set before loading), alternated and
 repeated, each run in its own process. Prints decode tok/s, the disk's busy share of the decode (ReadClock), the
 rate while busy and the bytes read per step. Page cache dropped after every step.
 
@@ -28,8 +28,8 @@ def run_one(model_path: str, variant: dict, batch: int, new_tokens: int) -> dict
     from transformers import AutoModelForCausalLM, StoppingCriteria
 
     import hf_moe_offload
-    import hf_moe_offload.copy_engine as copy_engine
-    import hf_moe_offload.store as store_module
+    import hf_moe_offload.memory.copy_engine as copy_engine
+    import hf_moe_offload.storage.store as store_module
 
     torch.set_num_threads(1)
     store_module.READ_CHUNK_BYTES = variant.get("chunk_mb", 4) << 20

@@ -573,7 +573,7 @@ def store_read_bandwidth(files: list[Path], readers: int | None = None, repeats:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from hf_moe_offload.copy_engine import DISK_READERS
+    from hf_moe_offload.memory.copy_engine import DISK_READERS
 
     readers = readers or DISK_READERS
     experts = expert_byte_ranges(files)
@@ -1129,7 +1129,7 @@ def run_cb_worker(spec: dict[str, Any]) -> dict[str, Any]:
         stats = lambda: dict(hf_moe_offload.stats(model))  # noqa: E731
     continuous(model, prompts[:2], greedy_config(1))         # untimed: one-time costs of both paths
     static_batches(model, prompts[:2], 2, greedy_config(1))
-    from hf_moe_offload.packed_attention import runs_packed
+    from hf_moe_offload.attention.packed import runs_packed
 
     # an offloaded model runs sdpa's continuous batching request by request (packed attention): its mode says so,
     # and the resident row runs it too, as the token reference with the same attention arithmetic
@@ -1158,7 +1158,7 @@ def run_cb_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def packed_continuous(model, prompts: list[list[int]], config) -> list[list[int]]:
     """`continuous` with hf_moe_offload's packed attention on a model that is not offloaded (the resident row):
     what an offloaded model's `generate_batch` runs in place of sdpa over a dense mask."""
-    from hf_moe_offload.packed_attention import use_packed_attention
+    from hf_moe_offload.attention.packed import use_packed_attention
 
     init = model.init_continuous_batching
 
@@ -1187,14 +1187,14 @@ def plain_continuous(model, prompts: list[list[int]], config) -> list[list[int]]
 def library_batching(model, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     """`offload_batching_config` on the benchmark's KV cache (`cb_config`): the tokens per pass it picks, the pass
     costs it measured (R, alpha) and the seconds that took."""
-    from hf_moe_offload.batching import offload_batching_config, token_budget
+    from hf_moe_offload.batching.config import offload_batching_config, token_budget
 
     base = cb_config(prompts, new_tokens)
     start = time.perf_counter()
     budget = token_budget(model, base.page_size)
     config = offload_batching_config(model, base=base, pass_costs=budget.costs)
     costs = budget.costs
-    from hf_moe_offload.packed_attention import runs_packed
+    from hf_moe_offload.attention.packed import runs_packed
 
     return {"config": config, "attention": "packed" if runs_packed(model) else model.config._attn_implementation,
             "max_batch_tokens": config.max_batch_tokens, "memory_tokens": budget.memory_tokens,

@@ -16,10 +16,10 @@ import time
 
 import torch
 
-from hf_moe_offload.cache import ExpertCache
+from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.layout import SlabLayout
 from hf_moe_offload.stats import OffloadStats
-from hf_moe_offload.store import CpuStore
+from hf_moe_offload.storage.store import CpuStore
 
 
 def measure(layers: int, experts: int, top_k: int, share: float, steps: int, eviction: str, seed: int = 0) -> dict:

@@ -43,7 +43,7 @@ from transformers import AutoTokenizer  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import hf_moe_offload  # noqa: E402,F401  (adds the offload_policy keyword)
 from bench_prefetch import DEMO_MODEL, REPO_ROOT, demo_prompts, generate_all, load_model, read_jsonl_texts  # noqa: E402
-from hf_moe_offload.engine import get_engine  # noqa: E402
+from hf_moe_offload.runtime.engine import get_engine  # noqa: E402
 
 log = logging.getLogger("bench_hash")
 

@@ -26,9 +26,9 @@ import torch
 from transformers import MixtralConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from hf_moe_offload.planner import Candidate, ModelShape, predict  # noqa: E402
-from hf_moe_offload.profile import MachineProfile, measure  # noqa: E402
-from hf_moe_offload.schedule import STREAM_SHARE, expected_experts  # noqa: E402
+from hf_moe_offload.planning.planner import Candidate, ModelShape, predict  # noqa: E402
+from hf_moe_offload.planning.profile import MachineProfile, measure  # noqa: E402
+from hf_moe_offload.runtime.schedule import STREAM_SHARE, expected_experts  # noqa: E402
 
 EXCLUDED = ("int8", "int4")   # quantized stores move other bytes and dequantize; not modelled yet
 # Files recorded by an engine the planner does not model (before streamed passes: batch-8 prefill 5x slower).

@@ -19,7 +19,7 @@ from hf_moe_offload.arch import get_arch, supported_families
 from hf_moe_offload.arch.dbrx import DbrxArch
 from hf_moe_offload.arch.gpt_oss import GptOssArch
 from hf_moe_offload.arch.llama4 import Llama4Arch
-from hf_moe_offload.policy import PolicyError
+from hf_moe_offload.policy.offload_policy import PolicyError
 
 from conftest import VOCAB, token_inputs
 

@@ -7,9 +7,9 @@ import torch
 
 import hf_moe_offload
 from hf_moe_offload.arch import SlabLayout
-from hf_moe_offload.cache import ExpertCache
+from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.stats import OffloadStats
-from hf_moe_offload.store import CpuStore, ExpertStore
+from hf_moe_offload.storage.store import CpuStore, ExpertStore
 from conftest import VOCAB, offloaded, reference
 
 

@@ -14,7 +14,7 @@ import pytest
 from transformers import AutoModelForCausalLM
 
 from hf_moe_offload import CheckpointError
-from hf_moe_offload.checkpoint import CheckpointIndex
+from hf_moe_offload.storage.checkpoint import CheckpointIndex
 
 INDEX = "model.safetensors.index.json"
 

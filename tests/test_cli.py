@@ -11,7 +11,7 @@ import hf_moe_offload
 from hf_moe_offload.cli import build_parser, main
 from hf_moe_offload.demo import DEMO_MODEL, DEMO_POLICY
 from hf_moe_offload.integrations.policy_args import policy_from_args
-from hf_moe_offload.policy import OffloadPolicy
+from hf_moe_offload.policy.offload_policy import OffloadPolicy
 
 
 def test_version_flag_and_subcommand(capsys):

@@ -14,9 +14,9 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 
 import hf_moe_offload
 from conftest import generate_each, offloaded, prompt_ids, reference
-from hf_moe_offload import batching
-from hf_moe_offload.batching import coverage_tokens, experts_touched, offload_batching_config, token_budget
-from hf_moe_offload.pass_costs import PassCosts, measure_pass_costs
+from hf_moe_offload.batching import config as batching
+from hf_moe_offload.batching.config import coverage_tokens, experts_touched, offload_batching_config, token_budget
+from hf_moe_offload.batching.pass_costs import PassCosts, measure_pass_costs
 
 FAMILIES = ["mixtral", "qwen3_moe"]
 POLICIES = {
@@ -123,7 +123,7 @@ def test_experts_touched_and_coverage_floor():
 def test_budget_follows_policy_hints(tiny_models, caplog):
     model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=4,
                       max_seq_len=32)
-    with caplog.at_level(logging.INFO, logger="hf_moe_offload.batching"):
+    with caplog.at_level(logging.INFO, logger="hf_moe_offload.batching.config"):
         cb = offload_batching_config(model, page_size=16)
     budget = token_budget(model, 16)
     assert budget.kv_tokens == 4 * 32

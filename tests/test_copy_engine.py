@@ -16,10 +16,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from hf_moe_offload.checkpoint import CheckpointIndex, read_header
-from hf_moe_offload.copy_engine import CpuCopyEngine, make_copy_engine
+from hf_moe_offload.storage.checkpoint import CheckpointIndex, read_header
+from hf_moe_offload.memory.copy_engine import CpuCopyEngine, make_copy_engine
 from hf_moe_offload.layout import ExpertPiece, MoELayer, SlabLayout
-from hf_moe_offload.store import CpuStore, DiskStore, ExpertStore, HostMemory, pinning_device
+from hf_moe_offload.storage.store import CpuStore, DiskStore, ExpertStore, HostMemory, pinning_device
 
 NUMEL = 16
 LAYOUT = SlabLayout((("w", (NUMEL,)),))
@@ -256,7 +256,7 @@ def test_read_clock_counts_overlapping_reads_once():
     import threading
     import time
 
-    from hf_moe_offload.copy_engine import ReadClock
+    from hf_moe_offload.memory.copy_engine import ReadClock
 
     clock = ReadClock()
     inside = threading.Barrier(2)

@@ -1,4 +1,4 @@
-"""CPU attention against a host KV cache (`attention="cpu"`, hf_moe_offload.attention): the same logits (within float
+"""CPU attention against a host KV cache (`attention="cpu"`, hf_moe_offload.attention.cpu): the same logits (within float
 tolerance) and greedy tokens as transformers' sdpa, with GQA, left padding and generate's dynamic cache, with and
 without expert offloading."""
 
@@ -12,9 +12,9 @@ from transformers.modeling_utils import AttentionInterface
 
 import hf_moe_offload
 from hf_moe_offload._compat import cache_keyword
-from hf_moe_offload.attention import (ATTN_IMPLEMENTATION, HostKVCache, HostLayer, cpu_attention_forward,
+from hf_moe_offload.attention.cpu import (ATTN_IMPLEMENTATION, HostKVCache, HostLayer, cpu_attention_forward,
                                       restore_attention, use_cpu_attention)
-from hf_moe_offload.policy import OffloadPolicy, PolicyError
+from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 
 from conftest import offloaded, reference, token_inputs
 
@@ -137,7 +137,7 @@ GiB = 1 << 30
 
 def _on_a_gpu(monkeypatch, free_bytes: int):
     """resolve() as on a GPU with `free_bytes` free (this machine has none: the device and its memory are faked)."""
-    from hf_moe_offload import auto
+    from hf_moe_offload.planning import resolve as auto
 
     monkeypatch.setattr(auto, "normalize_device", lambda device: torch.device(device))
     monkeypatch.setattr(auto, "_free_bytes", lambda device: free_bytes if device.type == "cuda" else 64 * GiB)
@@ -145,7 +145,7 @@ def _on_a_gpu(monkeypatch, free_bytes: int):
 
 
 def _footprint(**changes):
-    from hf_moe_offload.auto import Footprint
+    from hf_moe_offload.planning.resolve import Footprint
 
     # Mixtral-8x7B-like sizes: 8 x 32 experts of 336 MiB, a 3 GiB resident part, 128 KiB of KV per token.
     base = dict(expert_bytes=256 * (336 << 20), slab_bytes=336 << 20, resident_bytes=3 * GiB, top_k=2,
@@ -182,7 +182,7 @@ def test_auto_attention_resolves_at_load_and_knows_which_models_it_can_serve(tin
     model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%")
     assert hf_moe_offload.get_engine(model).policy.attention == "device"     # the CPU device: nothing to move
     from hf_moe_offload.arch import get_arch
-    from hf_moe_offload.loading import footprint
+    from hf_moe_offload.loading.load import footprint
 
     for family, refused in (("mixtral", False), ("switch_transformers", True)):
         reference_model = reference(family, tiny_models[family])

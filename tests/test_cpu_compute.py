@@ -15,8 +15,8 @@ import torch
 
 import hf_moe_offload
 from conftest import forward_logits, offloaded, reference, token_inputs
-from hf_moe_offload.placement import ExpertPlacement, check_placement, token_bucket
-from hf_moe_offload.policy import OffloadPolicy, PolicyError
+from hf_moe_offload.memory.placement import ExpertPlacement, check_placement, token_bucket
+from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 
 FAMILIES = ["mixtral", "qwen3_moe", "switch_transformers"]
 DISK = dict(device="cpu", store="disk")
@@ -110,7 +110,7 @@ def test_auto_decision_few_tokens_on_cpu_many_copied():
 
 
 def test_auto_decision_uses_the_copy_engines_measured_bandwidth():
-    from hf_moe_offload.placement import TransferMeter
+    from hf_moe_offload.memory.placement import TransferMeter
 
     meter = TransferMeter()
     p = ExpertPlacement(same_memory=False, host_store=True, h2d_bytes_per_s=1e12, host_bytes_per_s=1e9,
@@ -135,7 +135,7 @@ def test_auto_on_the_cpu_device_is_a_fixed_documented_rule(tiny_models, caplog):
 
 def test_budget_too_small_for_the_resident_layers_names_the_smallest_that_works(tiny_models, monkeypatch):
     path = tiny_models["mixtral"]
-    import hf_moe_offload.loading as loading
+    import hf_moe_offload.loading.load as loading
 
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded before the policy was refused")

@@ -24,11 +24,11 @@ import torch
 import hf_moe_offload
 from hf_moe_offload._compat import cache_keyword
 from conftest import VOCAB, offloaded, reference, token_inputs
-from hf_moe_offload.cache import ExpertCache
-from hf_moe_offload.copy_engine import CudaCopyEngine
+from hf_moe_offload.memory.cache import ExpertCache
+from hf_moe_offload.memory.copy_engine import CudaCopyEngine
 from hf_moe_offload.layout import SlabLayout
 from hf_moe_offload.stats import OffloadStats
-from hf_moe_offload.store import CpuStore, ExpertStore
+from hf_moe_offload.storage.store import CpuStore, ExpertStore
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -677,7 +677,7 @@ def test_e24_auto_and_resident_layers_give_the_resident_tokens(tiny_models, fami
 def test_e25_cpu_compute_yields_the_pinned_host_slab_and_copies_nothing():
     """E25: a missing expert under 'cpu' arrives as the store's own (pinned) host slab with the right values;
     under 'auto' with injected slow-link measurements, one token goes to the CPU and 64 tokens are copied."""
-    from hf_moe_offload.placement import ExpertPlacement
+    from hf_moe_offload.memory.placement import ExpertPlacement
 
     store = _host_store(num_experts=4)
     cache = ExpertCache(store, CUDA, 2 * store.slab_bytes(0), "lru", OffloadStats(1), expert_compute="cpu")
@@ -797,7 +797,7 @@ def test_continuous_batching_budget_on_the_gpu_measures_its_link_and_keeps_token
     be captured); generate_batch then gives plain generate's tokens."""
     from transformers import GenerationConfig
 
-    from hf_moe_offload.batching import offload_batching_config, token_budget
+    from hf_moe_offload.batching.config import offload_batching_config, token_budget
 
     path = tiny_models["mixtral"]
     model = _on_gpu("mixtral", path, store=store, expert_cache="60%")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from hf_moe_offload.distributed import map_sharded, shard
+from hf_moe_offload.integrations.distributed import map_sharded, shard
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO = REPO / "hf_moe_offload" / "demo_model"

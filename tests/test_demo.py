@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GenerationMixin
 import hf_moe_offload
 from hf_moe_offload.cli import main
 from hf_moe_offload.demo import DEMO_MODEL, WARMUP_TOKENS, run_demo
-from hf_moe_offload.policy import PolicyError
+from hf_moe_offload.policy.offload_policy import PolicyError
 
 
 def test_demo_command_shows_identical_text_and_the_plan(capsys, caplog):

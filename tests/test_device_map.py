@@ -10,8 +10,8 @@ import torch
 import hf_moe_offload
 from conftest import forward_logits, reference, token_inputs
 from hf_moe_offload import PolicyError
-from hf_moe_offload.cache import ExpertCache
-from hf_moe_offload.devices import CacheGroup, stand_in_devices
+from hf_moe_offload.memory.cache import ExpertCache
+from hf_moe_offload.planning.device_map import CacheGroup, stand_in_devices
 from transformers import AutoModelForCausalLM
 
 DISK_HALF = {"store": "disk", "expert_cache": "50%"}
@@ -114,7 +114,7 @@ def test_dict_device_map_on_one_device_is_todays_engine(mixtral):
 
 def _watch_allocations(monkeypatch) -> list:
     """Records any weight load (transformers' from_pretrained inside the offloaded load) or cache allocation."""
-    import hf_moe_offload.loading as loading
+    import hf_moe_offload.loading.load as loading
 
     calls = []
     monkeypatch.setattr(loading, "_experts_left_unread", lambda: calls.append("load") or pytest.fail("loaded"))
@@ -178,7 +178,7 @@ def test_two_stand_in_devices_keep_tokens_under_other_policies(mixtral, policy):
 
 def test_pass_costs_count_every_device_cache(mixtral):
     """Continuous batching's sizing on a device_map: the bytes a pass moves are the experts none of the caches hold."""
-    from hf_moe_offload.pass_costs import measure_pass_costs
+    from hf_moe_offload.batching.pass_costs import measure_pass_costs
 
     path = mixtral[0]
     with stand_in_devices("dev0", "dev1"):

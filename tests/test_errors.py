@@ -36,7 +36,7 @@ def offloaded_any(path, policy):
 
 
 def test_sizes_are_parsed():
-    from hf_moe_offload.policy import parse_size
+    from hf_moe_offload.policy.offload_policy import parse_size
     assert parse_size("512MiB", 0) == 512 * 2**20
     assert parse_size("1.5GB", 0) == 1_500_000_000
     assert parse_size("25%", 400) == 100

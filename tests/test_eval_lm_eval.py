@@ -23,7 +23,7 @@ from hf_moe_offload.integrations import task_manager, task_names, tasks_dir
 from hf_moe_offload.integrations.lm_eval_cli import _adjust
 from hf_moe_offload.integrations.lm_eval_model import MODEL_NAME, OffloadedHFLM
 from hf_moe_offload.integrations.policy_args import pop_policy_args
-from hf_moe_offload.policy import AUTO, EVICTIONS, PRESETS, STORES
+from hf_moe_offload.policy.offload_policy import AUTO, EVICTIONS, PRESETS, STORES
 
 ALL_TASKS = ["hfmo_arith", "hfmo_pydoc_cloze", "hfmo_pydoc_ppl"]
 QUICK_TASKS = ["hfmo_arith", "hfmo_pydoc_cloze"]

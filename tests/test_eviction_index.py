@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hf_moe_offload.eviction import EvictionPolicy, RecencyIndex, make_eviction
+from hf_moe_offload.memory.eviction import EvictionPolicy, RecencyIndex, make_eviction
 
 
 def _full_scan(policy, index, layer, evictable):

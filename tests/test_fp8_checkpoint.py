@@ -15,10 +15,10 @@ from safetensors.torch import load_file, save_file
 import hf_moe_offload
 from conftest import build_tiny, token_inputs
 from hf_moe_offload.arch import get_arch
-from hf_moe_offload.checkpoint import CheckpointError, CheckpointIndex, dequantize_blocks
-from hf_moe_offload.engine import read_layer_experts
-from hf_moe_offload.policy import PolicyError
-from hf_moe_offload.store import DiskStore
+from hf_moe_offload.storage.checkpoint import CheckpointError, CheckpointIndex, dequantize_blocks
+from hf_moe_offload.runtime.engine import read_layer_experts
+from hf_moe_offload.policy.offload_policy import PolicyError
+from hf_moe_offload.storage.store import DiskStore
 from transformers import AutoConfig, AutoModelForCausalLM
 
 FP8_MAX = 448.0

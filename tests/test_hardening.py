@@ -270,7 +270,7 @@ def test_a_layer_hook_sees_every_routing_decision_and_can_be_removed(tiny_models
 # -- ecosystem switches ---------------------------------------------------------------------------------------------
 
 def test_log_lines_follow_transformers_verbosity():
-    ours = logging.getLogger("hf_moe_offload.engine")
+    ours = logging.getLogger("hf_moe_offload.runtime.engine")
     package = logging.getLogger("hf_moe_offload")
     before, package_level = transformers.logging.get_verbosity(), package.level
     package.setLevel(logging.NOTSET)     # unset, as in a user's script (the CLI sets INFO on it)

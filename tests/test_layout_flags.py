@@ -12,8 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_moe_offload.arch.fused import FusedExpertsArch
-from hf_moe_offload.execute import MatmulSlabLayout
-from hf_moe_offload.policy import PolicyError
+from hf_moe_offload.arch.forward import MatmulSlabLayout
+from hf_moe_offload.policy.offload_policy import PolicyError
 
 from conftest import token_inputs
 from test_adapters import _outputs, check_disk_offload_saves_and_disables, check_host_store_and_enable_disable

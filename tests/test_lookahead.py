@@ -11,9 +11,9 @@ import torch
 
 import hf_moe_offload
 from hf_moe_offload.analysis import RoutingRecorder, simulate
-from hf_moe_offload.cache import ExpertCache
-from hf_moe_offload.eviction import LookAhead, make_eviction
-from hf_moe_offload.schedule import LookaheadGate, StreamPlanner
+from hf_moe_offload.memory.cache import ExpertCache
+from hf_moe_offload.memory.eviction import LookAhead, make_eviction
+from hf_moe_offload.runtime.schedule import LookaheadGate, StreamPlanner
 from hf_moe_offload.stats import OffloadStats
 from conftest import offloaded, reference, token_inputs
 from test_streaming import NUMEL, LayeredStore
@@ -202,7 +202,7 @@ def test_simulated_policies_match_the_engine_on_a_recorded_trace(tiny_models):
 
 
 def test_payoff_trial_keeps_reading_only_when_it_lowers_the_stall():
-    from hf_moe_offload.schedule import PayoffTrial
+    from hf_moe_offload.runtime.schedule import PayoffTrial
 
     def run(trial, stall_off, stall_on, passes):
         reads, reading = [], trial.next_pass(None)

@@ -19,9 +19,9 @@ from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
 import hf_moe_offload
 from conftest import VOCAB, build_tiny, token_inputs
-from hf_moe_offload.checkpoint import CheckpointError, dequantize_mxfp4
-from hf_moe_offload.policy import PolicyError
-from hf_moe_offload.store import dense_expert
+from hf_moe_offload.storage.checkpoint import CheckpointError, dequantize_mxfp4
+from hf_moe_offload.policy.offload_policy import PolicyError
+from hf_moe_offload.storage.store import dense_expert
 
 GEN = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
 # The published checkpoints keep these dense (their config's modules_to_not_convert).

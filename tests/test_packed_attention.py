@@ -1,4 +1,4 @@
-"""Packed attention for continuous batching (`hf_moe_offload.packed_attention`): request by request, the same
+"""Packed attention for continuous batching (`hf_moe_offload.attention.packed`): request by request, the same
 numbers as transformers' dense block-diagonal mask (causal alignment of prefill chunks, sliding windows, GQA,
 batched decodes of different lengths), used by offloaded models' `generate_batch` in place of sdpa, with the
 unpatched model's tokens, and the model's own attention put back afterwards."""
@@ -18,8 +18,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 import hf_moe_offload
 from conftest import generate_each, offloaded, prompt_ids, reference
-from hf_moe_offload import packed_attention
-from hf_moe_offload.packed_attention import ATTN_IMPLEMENTATION, packed_attention_forward
+from hf_moe_offload.attention import packed as packed_attention
+from hf_moe_offload.attention.packed import ATTN_IMPLEMENTATION, packed_attention_forward
 
 GEN = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=2, pad_token_id=0)
 POLICY = {"device": "cpu", "store": "disk", "expert_cache": "34%"}

@@ -11,9 +11,9 @@ from transformers import MixtralConfig
 
 from hf_moe_offload.cli import main
 from hf_moe_offload.demo import DEMO_MODEL
-from hf_moe_offload.planner import ModelShape, make_plan, memory_needed
-from hf_moe_offload.policy import PolicyError
-from hf_moe_offload.profile import MachineProfile, ProfileError, load_profile, measure
+from hf_moe_offload.planning.planner import ModelShape, make_plan, memory_needed
+from hf_moe_offload.policy.offload_policy import PolicyError
+from hf_moe_offload.planning.profile import MachineProfile, ProfileError, load_profile, measure
 
 GiB = 1 << 30
 
@@ -137,7 +137,7 @@ def test_new_profile_fields_round_trip_and_old_files_still_load(tmp_path):
 def test_cost_model_counts_what_a_matmul_misses(mixtral):
     """The curve and elementwise terms make CPU passes slower than the bare matmul roofline, never faster, and the
     measured read bytes replace the uniform-routing estimate."""
-    from hf_moe_offload.planner import Candidate, predict
+    from hf_moe_offload.planning.planner import Candidate, predict
 
     plain = dataclasses.replace(_cpu_profile(), cpu_expert_flops_bf16=None, cpu_elementwise_bf16_per_s=None,
                                 layer_overhead_s=None, step_overhead_s=None)

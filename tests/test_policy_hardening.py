@@ -13,8 +13,8 @@ from transformers import MixtralConfig, Qwen3MoeConfig, SwitchTransformersConfig
 
 import hf_moe_offload
 from hf_moe_offload import OffloadPolicy, PolicyError
-from hf_moe_offload.auto import CUDA_HEADROOM_FLOOR, Footprint, resolve, sequence_costs
-from hf_moe_offload.policy import parse_size
+from hf_moe_offload.planning.resolve import CUDA_HEADROOM_FLOOR, Footprint, resolve, sequence_costs
+from hf_moe_offload.policy.offload_policy import parse_size
 from conftest import offloaded
 
 GiB = 1 << 30
@@ -177,7 +177,7 @@ def test_experts_on_another_device_free_nothing_here(cuda):
 
 
 def test_a_policy_given_as_json_text_is_parsed_with_clear_errors():
-    from hf_moe_offload.policy import OffloadPolicy, PolicyError
+    from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 
     assert OffloadPolicy.from_any(' {"store": "disk", "expert_cache": "25%"} ').store == "disk"
     with pytest.raises(PolicyError, match="not valid JSON.*allowed: a preset name"):

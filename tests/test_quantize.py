@@ -13,12 +13,12 @@ import torch
 import hf_moe_offload
 from conftest import build_tiny, forward_logits, model_class, reference, token_inputs
 from hf_moe_offload.arch import get_arch
-from hf_moe_offload.engine import read_layer_experts
+from hf_moe_offload.runtime.engine import read_layer_experts
 from hf_moe_offload.layout import SlabLayout
-from hf_moe_offload.policy import PolicyError
-from hf_moe_offload.quantize import (QuantizedSlabLayout, fast_kernels, from_cpu_int4, quantize_int4,
+from hf_moe_offload.policy.offload_policy import PolicyError
+from hf_moe_offload.storage.quantize import (QuantizedSlabLayout, fast_kernels, from_cpu_int4, quantize_int4,
                                      quantize_int8, to_cpu_int4)
-from hf_moe_offload.spill import MANIFEST
+from hf_moe_offload.storage.spill import MANIFEST
 
 
 # -- the arithmetic ------------------------------------------------------------------------------------------------
@@ -232,12 +232,12 @@ def test_bad_quantize_values_are_refused(tiny_models, policy, allowed):
         _load("mixtral", tiny_models["mixtral"], store="disk", **policy)
 
 
-@pytest.mark.skipif(not hf_moe_offload.quantize.cpu_int4_available(), reason="torch's CPU int4 kernel is unavailable")
+@pytest.mark.skipif(not hf_moe_offload.storage.quantize.cpu_int4_available(), reason="torch's CPU int4 kernel is unavailable")
 def test_a_cpu_folder_stores_the_kernel_format_and_is_told_apart_from_plain_files(tmp_path):
     """Files made for the CPU hold torch's CPU int4 format (no repack per read); their fingerprint names it, so a
     folder of plain slabs (for another device) is never read as one."""
-    from hf_moe_offload.quantize import packing_signature
-    from hf_moe_offload.spill import quantized_fingerprint, write_quantized
+    from hf_moe_offload.storage.quantize import packing_signature
+    from hf_moe_offload.storage.spill import quantized_fingerprint, write_quantized
 
     dense = SlabLayout(parts=(("up", (32, 64)),))
     cpu = QuantizedSlabLayout.build(dense, "int4", 32, torch.float32, packing="cpu")
@@ -248,7 +248,7 @@ def test_a_cpu_folder_stores_the_kernel_format_and_is_told_apart_from_plain_file
     assert quantized_fingerprint([str(source)], [cpu]) != quantized_fingerprint([str(source)], [plain])
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
     pieces = write_quantized(str(tmp_path / "q"), "fp", [cpu], [1], lambda layer, e: {"up": w})
-    store = hf_moe_offload.store.DiskStore([_FakeLayer(dense)], pieces, torch.float32, layouts=[cpu])
+    store = hf_moe_offload.storage.store.DiskStore([_FakeLayer(dense)], pieces, torch.float32, layouts=[cpu])
     slab = torch.empty(cpu.numel, dtype=torch.uint8)
     store.read_into(0, 0, slab)
     expected = torch.empty(cpu.numel, dtype=torch.uint8)

@@ -11,8 +11,8 @@ import time
 import torch
 
 from conftest import VOCAB, offloaded
-from hf_moe_offload.copy_engine import DISK_READERS
-from hf_moe_offload.store import CHUNK_READERS
+from hf_moe_offload.memory.copy_engine import DISK_READERS
+from hf_moe_offload.storage.store import CHUNK_READERS
 
 DISK = {"device": "cpu", "store": "disk", "expert_cache": "34%"}
 

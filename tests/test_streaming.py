@@ -8,10 +8,10 @@ import torch
 
 import hf_moe_offload
 from hf_moe_offload.arch import SlabLayout
-from hf_moe_offload.cache import ExpertCache
-from hf_moe_offload.schedule import StreamPlanner
+from hf_moe_offload.memory.cache import ExpertCache
+from hf_moe_offload.runtime.schedule import StreamPlanner
 from hf_moe_offload.stats import OffloadStats
-from hf_moe_offload.store import ExpertStore
+from hf_moe_offload.storage.store import ExpertStore
 from conftest import FAMILIES, model_class, offloaded, reference, token_inputs
 
 NUMEL = 16
@@ -93,7 +93,7 @@ def _skewed_passes(stream_eviction, passes=60, layers=4, experts=8, slots=10, wi
 def test_streamed_passes_keep_the_hot_experts_resident():
     """Which experts stay across passes is decided by heat (Klotski's hot experts), not by recency: the layer's least
     recent expert is one it computed first, a resident one, so recency rotated the resident set every pass."""
-    from hf_moe_offload.eviction import HotFirst, LayerAware
+    from hf_moe_offload.memory.eviction import HotFirst, LayerAware
 
     hot, floor = _skewed_passes(HotFirst)
     recent, _ = _skewed_passes(LayerAware)
@@ -174,8 +174,8 @@ def test_a_disk_store_reads_one_expert_in_parallel_chunks_byte_exact(tmp_path, m
     """Large experts are read by several threads in chunks; every byte lands where the slab layout says."""
     from safetensors.torch import save_file
 
-    import hf_moe_offload.store as store_module
-    from hf_moe_offload.checkpoint import CheckpointIndex, read_header
+    import hf_moe_offload.storage.store as store_module
+    from hf_moe_offload.storage.checkpoint import CheckpointIndex, read_header
     from hf_moe_offload.layout import ExpertPiece, MoELayer
 
     up, down = torch.randn(3, 40, 24), torch.randn(3, 24, 20)      # 3 experts, two parts of different sizes

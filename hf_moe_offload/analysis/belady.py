@@ -29,7 +29,7 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..eviction import Key, LookAhead, make_eviction
+from ..memory.eviction import Key, LookAhead, make_eviction
 from ..hooks import LayerHook
 
 Event = tuple[str, int, tuple[int, ...]]
@@ -67,7 +67,7 @@ class RoutingRecorder(LayerHook):
 
     def bind(self, engine) -> "RoutingRecorder":
         """Find the engine's schedule planner (for `predictions`); returns self."""
-        from ..schedule import StreamPlanner
+        from ..runtime.schedule import StreamPlanner
 
         self._planner = next((h for h in engine.hooks if isinstance(h, StreamPlanner)), None)
         if self.predictions and self._planner is None:

@@ -13,13 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from ..checkpoint import FP8_DTYPES, CheckpointError, CheckpointIndex
+from ..storage.checkpoint import FP8_DTYPES, CheckpointError, CheckpointIndex
 # The shared shapes live in `layout`; re-exported here for the adapters and older imports.
 from ..layout import (RELEASED_ATTR, ExpertPiece, MoELayer, SlabLayout, alignment_offset,  # noqa: F401
                       empty_at_alignment, release_parameter, restore_parameter)
 
 if TYPE_CHECKING:
-    from ..engine import LayerRuntime
+    from ..runtime.engine import LayerRuntime
 
 
 class UnsupportedModelError(ValueError):

@@ -20,8 +20,8 @@ import contextlib
 import torch
 from torch import nn
 
-from ..checkpoint import ByteRange, CheckpointError, CheckpointIndex
-from ..execute import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
+from ..storage.checkpoint import ByteRange, CheckpointError, CheckpointIndex
+from .forward import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
                        weights_device)
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, checkpoint_key_candidates, \
     register_arch, release_parameter, restore_parameter

@@ -25,8 +25,8 @@ import re
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError, CheckpointIndex
-from ..execute import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, matmul_refusal
+from ..storage.checkpoint import CheckpointError, CheckpointIndex
+from .forward import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, matmul_refusal
 from .routing import kind_of, replacement_output, router_kind
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, checkpoint_key_candidates, \
     register_arch, release_parameter, restore_parameter, weight_piece

@@ -26,8 +26,8 @@ import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from ..checkpoint import MXFP4_BLOCK, CheckpointError, CheckpointIndex, Mxfp4Scales
-from ..execute import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
+from ..storage.checkpoint import MXFP4_BLOCK, CheckpointError, CheckpointIndex, Mxfp4Scales
+from .forward import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
                        weights_device)
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, StackedParams, checkpoint_key_candidates, register_arch, \
     weight_piece

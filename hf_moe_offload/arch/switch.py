@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ..checkpoint import CheckpointError, CheckpointIndex
-from ..execute import OffloadedSwitchExperts
+from ..storage.checkpoint import CheckpointError, CheckpointIndex
+from .forward import OffloadedSwitchExperts
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, checkpoint_key_candidates, \
     register_arch, release_parameter, restore_parameter
 

@@ -26,8 +26,8 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from ..arch import UnsupportedModelError
-from ..checkpoint import CheckpointError
-from ..policy import PolicyError
+from ..storage.checkpoint import CheckpointError
+from ..policy.offload_policy import PolicyError
 from . import quiet_custom_dataset_hint, tasks_dir
 from .policy_args import POLICY_KEY, PREFIX, accepted_keys
 

@@ -31,10 +31,10 @@ import transformers
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from ..distributed import device_for_rank, launch_world
-from ..engine import get_engine
-from ..patch import auto_model_class, from_pretrained
-from ..policy import OffloadPolicy, PolicyError
+from .distributed import device_for_rank, launch_world
+from ..runtime.engine import get_engine
+from ..loading.patch import auto_model_class, from_pretrained
+from ..policy.offload_policy import OffloadPolicy, PolicyError
 from .policy_args import pop_policy_args
 
 logger = logging.getLogger(__name__)

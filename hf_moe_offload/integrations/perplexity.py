@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
-from ..policy import OffloadPolicy, PolicyError, policy_value
+from ..policy.offload_policy import OffloadPolicy, PolicyError, policy_value
 from .policy_args import given_fields, policy_from_args, policy_parser
 
 logger = logging.getLogger(__name__)
@@ -83,7 +83,7 @@ class _Window:
 
 def model_device(model: torch.nn.Module) -> torch.device:
     """Where inputs go: the offload policy's device for an offloaded model, else the first parameter's."""
-    from ..engine import get_engine
+    from ..runtime.engine import get_engine
 
     engine = get_engine(model)
     if engine is not None:
@@ -186,7 +186,7 @@ def load_model_and_tokenizer(path: str, policy: Any = "auto", *, dtype: str | to
     """Load a causal LM with `policy` (None: the unpatched model, on `device`) and its tokenizer."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from ..patch import from_pretrained
+    from ..loading.patch import from_pretrained
 
     policy = parse_policy(policy)
     if isinstance(dtype, str) and dtype != "auto":
@@ -285,7 +285,7 @@ def policy_of(args: argparse.Namespace) -> OffloadPolicy | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..engine import get_engine
+    from ..runtime.engine import get_engine
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -42,7 +42,7 @@ from typing import Any
 import torch
 from transformers import HfArgumentParser
 
-from ..policy import AUTO, PRESETS, OffloadPolicy, PolicyError, field_names, policy_value
+from ..policy.offload_policy import AUTO, PRESETS, OffloadPolicy, PolicyError, field_names, policy_value
 
 logger = logging.getLogger(__name__)
 

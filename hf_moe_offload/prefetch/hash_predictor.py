@@ -42,7 +42,7 @@ from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 from ..arch import MoELayer, UnsupportedModelError, get_arch
-from ..engine import get_engine
+from ..runtime.engine import get_engine
 
 logger = logging.getLogger(__name__)
 

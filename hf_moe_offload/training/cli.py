@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from ..arch import UnsupportedModelError, get_arch
-from ..policy import OffloadPolicy, PolicyError, normalize_device
+from ..policy.offload_policy import OffloadPolicy, PolicyError, normalize_device
 from ..prefetch.hash_predictor import HashPredictorConfig, PredictorFileError, PredictorMismatchError, fingerprint
 from .routing_data import (ROUTING_META, DatasetFieldError, EmptyDatasetError, RoutingData, collect_routing,
                            load_text_dataset, routing_bytes, tokenize_dataset)
@@ -189,7 +189,7 @@ def load_model(path: str, dtype: str, offload_policy: OffloadPolicy | None):
     """The model at `path` (causal or seq2seq), offloaded when a policy is given."""
     from transformers import AutoConfig
 
-    from ..patch import auto_model_class
+    from ..loading.patch import auto_model_class
 
     if not Path(path).is_dir():
         raise FileNotFoundError(f"--model {path!r}: no such directory")

@@ -31,7 +31,7 @@ from typing import Any, Callable
 import torch
 
 from .placement import TransferMeter
-from .store import ExpertStore, HostMemory
+from ..storage.store import ExpertStore, HostMemory
 
 # Disk reads of different experts run in parallel: SSDs serve several requests at once far faster than one.
 DISK_READERS = 4

@@ -18,17 +18,17 @@ import torch
 from torch import nn
 
 from . import microbatch
-from .arch import MoEArch
-from .cache import ExpertCache
-from .hooks import HookHandle, LayerHook
-from .layout import MoELayer
-from .policy import OffloadPolicy, PolicyError
+from ..arch import MoEArch
+from ..memory.cache import ExpertCache
+from ..hooks import HookHandle, LayerHook
+from ..layout import MoELayer
+from ..policy.offload_policy import OffloadPolicy, PolicyError
 from .schedule import StreamPlanner
-from .stats import OffloadStats, StatsSnapshot
-from .store import ExpertStore
+from ..stats import OffloadStats, StatsSnapshot
+from ..storage.store import ExpertStore
 
 if TYPE_CHECKING:
-    from .devices import CacheGroup, DevicePlan
+    from ..planning.device_map import CacheGroup, DevicePlan
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +114,7 @@ class OffloadEngine:
         stats = OffloadStats(num_layers=len(layers))
         try:
             if devices is not None:
-                from .devices import build_cache_group
+                from ..planning.device_map import build_cache_group
 
                 cache = build_cache_group(store, devices, policy, stats)
             else:
@@ -149,7 +149,7 @@ class OffloadEngine:
         return HookHandle(self.hooks, hook)
 
     def attach_predictor(self, predictor: nn.Module) -> None:
-        from .prefetch.hash_runner import HashPrefetcher
+        from ..prefetch.hash_runner import HashPrefetcher
 
         self.prefetcher = HashPrefetcher(self, predictor, routing=self.policy.routing)
         self.add_hook(self.prefetcher)

@@ -39,14 +39,14 @@ from typing import Any, Iterator, Sequence
 import torch
 from torch import nn
 
-from .auto import Footprint, ResolvedPolicy, _free_bytes, _headroom, _workload, resolve, resolve_micro_batches
-from .cache import ExpertCache
-from .eviction import make_eviction
-from .layout import MoELayer
-from .placement import check_placement
-from .policy import AUTO, OffloadPolicy, PolicyError, format_bytes, normalize_device, parse_size
-from .stats import DeviceStats, OffloadStats
-from .store import ExpertStore
+from .resolve import Footprint, ResolvedPolicy, _free_bytes, _headroom, _workload, resolve, resolve_micro_batches
+from ..memory.cache import ExpertCache
+from ..memory.eviction import make_eviction
+from ..layout import MoELayer
+from ..memory.placement import check_placement
+from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError, format_bytes, normalize_device, parse_size
+from ..stats import DeviceStats, OffloadStats
+from ..storage.store import ExpertStore
 
 logger = logging.getLogger(__name__)
 

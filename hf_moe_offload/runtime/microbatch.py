@@ -46,8 +46,8 @@ import torch
 from torch import nn
 from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
-from ._compat import CACHE_NAMES, kv_cache
-from .attention import HostLayer, HostSlidingWindowLayer
+from .._compat import CACHE_NAMES, kv_cache
+from ..attention.cpu import HostLayer, HostSlidingWindowLayer
 
 logger = logging.getLogger(__name__)
 

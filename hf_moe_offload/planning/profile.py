@@ -36,8 +36,8 @@ from typing import Any
 import psutil
 import torch
 
-from ._compat import cache_keyword
-from ._logging import progress
+from .._compat import cache_keyword
+from .._logging import progress
 
 logger = logging.getLogger(__name__)
 
@@ -336,7 +336,7 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
     finally:
         bar.close()
     host = name or platform.node() or "this machine"
-    profile = MachineProfile(name=host, source=f"measured by hf_moe_offload.profile.measure() on {time.strftime('%Y-%m-%d')}",
+    profile = MachineProfile(name=host, source=f"measured by hf_moe_offload.planning.profile.measure() on {time.strftime('%Y-%m-%d')}",
                              cpu_threads=torch.get_num_threads(), host_memory_bytes=psutil.virtual_memory().total,
                              **values)
     logger.info("hf_moe_offload profile: %s", profile.summary().replace("\n", ";"))
@@ -461,9 +461,9 @@ def _layer_overhead(device: str, seconds: float) -> tuple[float, float]:
     (Python, dispatch, the engine's bookkeeping; `generate`'s logits processing and input bookkeeping)."""
     import warnings
 
-    from . import from_pretrained
-    from .demo import DEMO_MODEL
-    from .engine import get_engine
+    from .. import from_pretrained
+    from ..demo import DEMO_MODEL
+    from ..runtime.engine import get_engine
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -496,7 +496,7 @@ def _layer_overhead(device: str, seconds: float) -> tuple[float, float]:
         # A noisy machine can make the difference smaller than the layers' share: keep a tiny positive floor.
         return per_layer, max((long - short) / extra - layers * per_layer, 1e-6)
     finally:
-        from . import disable
+        from .. import disable
         disable(model)
 
 

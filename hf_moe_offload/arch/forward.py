@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
-from .layout import SlabLayout
+from ..layout import SlabLayout
 
 EXPERTS_IMPLEMENTATION = "hf_moe_offload"
 
@@ -44,7 +44,7 @@ def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, 
 
 
 def expert_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """`F.linear(x, weight)` for a dense weight; a quantized weight (`hf_moe_offload.quantize`) runs its own
+    """`F.linear(x, weight)` for a dense weight; a quantized weight (`hf_moe_offload.storage.quantize`) runs its own
     matmul (or dequantizes) where it lives."""
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight)

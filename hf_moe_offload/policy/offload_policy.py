@@ -1,7 +1,7 @@
 """`OffloadPolicy`: what runs where, validated before anything is allocated.
 
 A policy is given as an `OffloadPolicy`, a dict of its fields, or a preset name (``"auto"``, ``"low-ram"``).
-Fields left at ``"auto"`` are resolved against the model and the machine by `hf_moe_offload.auto`.
+Fields left at ``"auto"`` are resolved against the model and the machine by `hf_moe_offload.planning.resolve`.
 
 Example:
     >>> from hf_moe_offload import OffloadPolicy
@@ -27,7 +27,7 @@ EVICTIONS = ("lru", "lfu", "layer", "lookahead")
 PREFETCHERS = ("auto", "none", "hash", "lookahead")
 QUANTIZATIONS = ("none", "int8", "int4")
 EXPERT_COMPUTES = ("device", "cpu", "auto")
-ATTENTIONS = ("auto", "device", "cpu")   # where attention runs and the KV cache lives (hf_moe_offload.attention)
+ATTENTIONS = ("auto", "device", "cpu")   # where attention runs and the KV cache lives (hf_moe_offload.attention.cpu)
 DEFAULT_INT4_GROUP_SIZE = 64     # quant_group_size="auto" for int4 (int8 is scaled per output channel)
 ROUTINGS = ("router", "predicted")
 SCHEDULES = ("auto", "on_demand", "stream")

@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 from safetensors.torch import save_file
 
-from ._logging import progress
-from .arch import MoEArch
+from .._logging import progress
+from ..arch import MoEArch
 from .checkpoint import CheckpointError, CheckpointIndex, read_header
-from .layout import ExpertPiece, MoELayer
+from ..layout import ExpertPiece, MoELayer
 from .quantize import QuantizedSlabLayout, packing_signature
 
 logger = logging.getLogger(__name__)

@@ -35,16 +35,16 @@ from transformers import AutoConfig, PreTrainedModel
 import transformers.core_model_loading as core_model_loading
 import transformers.modeling_utils as modeling_utils
 
-from .arch import MoEArch, MoELayer, get_arch
-from .auto import Footprint, resolve, sequence_costs
-from .checkpoint import SAFETENSORS_DTYPES, CheckpointIndex, resolve_checkpoint_dir
-from .engine import OffloadEngine, get_engine, move_resident_part
-from .execute import EXPERTS_IMPLEMENTATION
-from .policy import AUTO, DEFAULT_INT4_GROUP_SIZE, OffloadPolicy, PolicyError
-from .quantize import QuantizedSlabLayout, quantized_layouts
-from .spill import (quantized_cache_root, quantized_fingerprint, remove_folder, reuse_quantized, spill_experts,
+from ..arch import MoEArch, MoELayer, get_arch
+from ..planning.resolve import Footprint, resolve, sequence_costs
+from ..storage.checkpoint import SAFETENSORS_DTYPES, CheckpointIndex, resolve_checkpoint_dir
+from ..runtime.engine import OffloadEngine, get_engine, move_resident_part
+from ..arch.forward import EXPERTS_IMPLEMENTATION
+from ..policy.offload_policy import AUTO, DEFAULT_INT4_GROUP_SIZE, OffloadPolicy, PolicyError
+from ..storage.quantize import QuantizedSlabLayout, quantized_layouts
+from ..storage.spill import (quantized_cache_root, quantized_fingerprint, remove_folder, reuse_quantized, spill_experts,
                     temporary_folder, write_quantized)
-from .store import CpuStore, DiskStore, dense_expert
+from ..storage.store import CpuStore, DiskStore, dense_expert
 
 logger = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     if user_map is None:
         resolved = resolve(policy, fp)
     else:
-        from .devices import plan_devices
+        from ..planning.device_map import plan_devices
 
         plan, resolved = plan_devices(skeleton, layers, user_map, max_memory, policy, fp, dtype)
     device = torch.device(resolved.policy.device)
@@ -208,7 +208,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
 def _check_attention(policy: OffloadPolicy, model: nn.Module) -> None:
     """attention="cpu" on a model it cannot serve is refused before anything is loaded or allocated."""
     if policy.attention == "cpu":
-        from .attention import check_cpu_attention
+        from ..attention.cpu import check_cpu_attention
 
         check_cpu_attention(model)
 
@@ -217,7 +217,7 @@ def _apply_attention(model: PreTrainedModel, engine: OffloadEngine) -> None:
     """attention="cpu": CPU attention against a host KV cache, undone by `disable()` (the engine's on_detach)."""
     if engine.policy.attention != "cpu":
         return
-    from .attention import cpu_attention_enabled, restore_attention, use_cpu_attention
+    from ..attention.cpu import cpu_attention_enabled, restore_attention, use_cpu_attention
 
     if cpu_attention_enabled(model):      # the user turned it on already: theirs to undo
         return
@@ -232,7 +232,7 @@ def _apply_attention(model: PreTrainedModel, engine: OffloadEngine) -> None:
 def _apply_batching(model: PreTrainedModel, engine: OffloadEngine) -> None:
     """`generate_batch` without a ContinuousBatchingConfig sizes its token budget for offloading (batching.py),
     undone by `disable()`."""
-    from .batching import install_batching_defaults
+    from ..batching.config import install_batching_defaults
 
     remove = install_batching_defaults(model)
     if remove is not None:
@@ -267,7 +267,7 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
 
 def _cpu_attention_refusal(model: nn.Module) -> str | None:
     """Why CPU attention cannot serve `model` (attention="auto" then keeps it on the device), or None."""
-    from .attention import check_cpu_attention
+    from ..attention.cpu import check_cpu_attention
 
     try:
         check_cpu_attention(model)
@@ -464,7 +464,7 @@ def _load_predictor(policy: OffloadPolicy, model: nn.Module):
     """The policy's hash predictor, its files and fingerprint checked against `model` (a skeleton will do)."""
     if not policy.predictor:
         return None
-    from .prefetch.hash_predictor import HashPredictor
+    from ..prefetch.hash_predictor import HashPredictor
 
     return HashPredictor.load(policy.predictor, model=model, device="cpu")
 

@@ -21,7 +21,7 @@ For every candidate the time of one pass is predicted layer by layer:
 Throughput = generated tokens / (prefill + decode time), as MoE-Lightning reports it.
 
 Example:
-    >>> from hf_moe_offload.profile import load_profile
+    >>> from hf_moe_offload.planning.profile import load_profile
     >>> shape = ModelShape(layers=32, experts=8, top_k=2, expert_bytes=352321536, dtype_bytes=2,
     ...                    dense_params_per_layer=46_000_000, head_params=131_072_000, heads=32, head_dim=128,
     ...                    kv_bytes_per_token=131072, activation_bytes_per_token=400_000, resident_bytes=3_200_000_000)
@@ -40,10 +40,10 @@ from typing import Any
 
 import torch
 
-from .auto import CUDA_HEADROOM_FLOOR, Footprint
-from .policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
+from .resolve import CUDA_HEADROOM_FLOOR, Footprint
+from ..policy.offload_policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
 from .profile import MachineProfile
-from .schedule import STREAM_SHARE, expected_experts
+from ..runtime.schedule import STREAM_SHARE, expected_experts
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +106,8 @@ class ModelShape:
         """From a transformers config alone: a meta-device skeleton (no memory) measured by `footprint()`."""
         from transformers import AutoModelForCausalLM
 
-        from .arch import get_arch
-        from .loading import footprint
+        from ..arch import get_arch
+        from ..loading.load import footprint
 
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
@@ -522,8 +522,8 @@ def plan_for_policy(policy: Any, resolved: Any, fp: Footprint, profile: MachineP
     fields change. `stats(model)["plan"]` shows the prediction beside `stats(model)["measured"]`.
 
     Example:
-        >>> from hf_moe_offload.policy import OffloadPolicy
-        >>> from hf_moe_offload.profile import load_profile
+        >>> from hf_moe_offload.policy.offload_policy import OffloadPolicy
+        >>> from hf_moe_offload.planning.profile import load_profile
         >>> fp = Footprint(expert_bytes=64 * 22020096, slab_bytes=22020096, resident_bytes=181569536, top_k=2,
         ...                kv_bytes_per_token=32768, layer_experts=(8,) * 8)
         >>> given = OffloadPolicy(device="cpu", store="disk", expert_cache="25%", max_batch_size=32, max_seq_len=80)
@@ -532,7 +532,7 @@ def plan_for_policy(policy: Any, resolved: Any, fp: Footprint, profile: MachineP
         >>> planned.schedule, planned.stream_window in STREAM_WINDOWS    # both phases stream: the engine's rule
         ('auto', True)
     """
-    from .policy import AUTO
+    from ..policy.offload_policy import AUTO
     from .profile import ProfileError, default_profile_path, load_profile as _load
 
     free = [f for f in ("schedule", "stream_window") if getattr(policy, f) == AUTO]

@@ -18,10 +18,10 @@ from typing import Any, TypedDict
 import psutil
 import torch
 
-from .policy import (AUTO, DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, DEFAULT_STREAM_WINDOW, OffloadPolicy,
+from ..policy.offload_policy import (AUTO, DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, DEFAULT_STREAM_WINDOW, OffloadPolicy,
                      PolicyError, format_bytes, normalize_device, parse_size)
 
-from .placement import check_placement
+from ..memory.placement import check_placement
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Footprint:
     experts_device: str | None = None
     resident_device: str | None = None
     layer_experts: tuple[int, ...] = ()   # experts per MoE layer, forward order (resident_layers' budget)
-    # Why CPU attention (hf_moe_offload.attention) cannot serve this model, or None if it can: attention="auto"
+    # Why CPU attention (hf_moe_offload.attention.cpu) cannot serve this model, or None if it can: attention="auto"
     # then never picks it.
     cpu_attention_refusal: str | None = None
 

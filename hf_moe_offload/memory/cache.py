@@ -41,9 +41,9 @@ import torch
 from .copy_engine import make_copy_engine
 from .eviction import EvictionPolicy, HotFirst, Key, RecencyIndex, make_eviction
 from .placement import ExpertPlacement
-from .policy import EXPERT_COMPUTES, PolicyError
-from .stats import OffloadStats
-from .store import ExpertStore
+from ..policy.offload_policy import EXPERT_COMPUTES, PolicyError
+from ..stats import OffloadStats
+from ..storage.store import ExpertStore
 
 logger = logging.getLogger(__name__)
 

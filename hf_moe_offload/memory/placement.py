@@ -32,8 +32,8 @@ from typing import Any, Sequence
 import torch
 import torch.nn.functional as F
 
-from .policy import PolicyError, format_bytes
-from .profile import best_rate
+from ..policy.offload_policy import PolicyError, format_bytes
+from ..planning.profile import best_rate
 
 logger = logging.getLogger(__name__)
 
@@ -211,13 +211,13 @@ def check_placement(policy: Any, layer_experts: Sequence[int], slab_bytes: int, 
     the cross-field rules are checked).
 
     Example:
-        >>> from hf_moe_offload.policy import OffloadPolicy
+        >>> from hf_moe_offload.policy.offload_policy import OffloadPolicy
         >>> check_placement(OffloadPolicy(resident_layers=1), [8, 8], 100, 2, 1000, False)
         1000
         >>> check_placement(OffloadPolicy(resident_layers=1), [8, 8], 100, 2, 900, False)
         Traceback (most recent call last):
         ...
-        hf_moe_offload.policy.PolicyError: expert_cache=900 B cannot hold resident_layers=1 ...
+        hf_moe_offload.policy.offload_policy.PolicyError: expert_cache=900 B cannot hold resident_layers=1 ...
     """
     compute, layers = policy.expert_compute, int(policy.resident_layers)
     if compute == "cpu" and policy.prefetch in ("hash", "lookahead"):

@@ -41,7 +41,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .layout import SlabLayout
+from ..layout import SlabLayout
 
 METHODS = ("int8", "int4")
 ALIGN = 64                 # every region starts on a cache line (scales are viewed as the model dtype)
@@ -117,7 +117,7 @@ class QuantizedSlabLayout:
         if method not in METHODS:
             raise ValueError(f"quantize={method!r} is not a quantization method; allowed: {list(METHODS)}")
         if getattr(dense, "quantize_refusal", ""):   # experts computing x @ W (+ bias): GPT-OSS, DBRX, Llama-4
-            from .policy import PolicyError
+            from ..policy.offload_policy import PolicyError
             raise PolicyError(dense.quantize_refusal)
         itemsize = compute_dtype.itemsize
         parts, offset = [], 0
@@ -331,7 +331,7 @@ def _cpu_int4_scheme():
         except RuntimeError:
             continue
     raise RuntimeError("torch's CPU int4 weight format is not one hf_moe_offload can read back; run with "
-                       "hf_moe_offload.quantize.fast_kernels(False) or a device other than the CPU")
+                       "hf_moe_offload.storage.quantize.fast_kernels(False) or a device other than the CPU")
 
 
 def _unpack_with(packed: torch.Tensor, block: int, pairing) -> torch.Tensor:

@@ -20,7 +20,7 @@ An offloaded model uses it for `generate_batch` / `init_continuous_batching` whe
 model's own implementation back when it stops.
 
 Example:
-    >>> from hf_moe_offload.packed_attention import use_packed_attention         # doctest: +SKIP
+    >>> from hf_moe_offload.attention.packed import use_packed_attention         # doctest: +SKIP
     >>> manager = model.init_continuous_batching(generation_config=gc)          # doctest: +SKIP
     >>> use_packed_attention(model, manager)          # before the manager's first pass  # doctest: +SKIP
 """

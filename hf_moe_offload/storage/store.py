@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 import torch
 
-from ._logging import progress
+from .._logging import progress
 from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
-from .layout import ExpertPiece, MoELayer, SlabLayout
+from ..layout import ExpertPiece, MoELayer, SlabLayout
 from .quantize import QuantizedSlabLayout
 
 if TYPE_CHECKING:
-    from .arch import MoEArch
+    from ..arch import MoEArch
 
 # cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.
 PAGE = mmap.PAGESIZE

@@ -13,7 +13,7 @@ page cache a disk store reads through). `offload_batching_config` sizes both fro
 - tokens per pass: the fewer of
   - the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)` entries (only with
     eager attention: flash needs none, and sdpa runs packed, request by request, `packed_attention.py`), fit in the
-    activation memory the policy left for those same tokens (`hf_moe_offload.auto.sequence_costs`), and
+    activation memory the policy left for those same tokens (`hf_moe_offload.planning.resolve.sequence_costs`), and
   - where the attention builds that dense mask (eager), the tokens that amortize a pass best: a pass costs
     each of its T tokens about R/T + α·(KV + T) (R: the seconds its expert bytes take to move, α: attention
     seconds per mask entry, both measured: `pass_costs.py`), lowest at T = √(R/α);
@@ -31,7 +31,7 @@ and fills the rest of the token budget with prompt chunks (see docs/continuous_b
 
 Example:
     >>> import hf_moe_offload
-    >>> from hf_moe_offload.batching import offload_batching_config
+    >>> from hf_moe_offload.batching.config import offload_batching_config
     >>> model = AutoModelForCausalLM.from_pretrained(path, offload_policy={"store": "disk"})   # doctest: +SKIP
     >>> cb_config = offload_batching_config(model)                                            # doctest: +SKIP
     >>> out = model.generate_batch(prompt_ids, generation_config=GenerationConfig(max_new_tokens=64),
@@ -53,11 +53,11 @@ from torch import nn
 from transformers import ContinuousBatchingConfig
 from transformers.utils.generic import is_flash_attention_requested
 
-from .auto import sequence_costs
-from .engine import get_engine
-from .packed_attention import runs_packed, use_packed_attention
+from ..planning.resolve import sequence_costs
+from ..runtime.engine import get_engine
+from ..attention.packed import runs_packed, use_packed_attention
 from .pass_costs import PassCosts, measure_pass_costs
-from .policy import PolicyError, format_bytes
+from ..policy.offload_policy import PolicyError, format_bytes
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 transformers has no registry for extra `from_pretrained` keywords, so `install()` wraps
 `PreTrainedModel.from_pretrained` once: without `offload_policy` the call goes to transformers untouched (the
-package is invisible); with it, the load goes through `hf_moe_offload.loading`. Auto classes forward unknown
+package is invisible); with it, the load goes through `hf_moe_offload.loading.load`. Auto classes forward unknown
 keywords to the model class, so they are covered too.
 
 Loads are serialised while the package is imported: transformers' `from_pretrained` swaps class-level functions
@@ -19,7 +19,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from .loading import load_offloaded
+from .load import load_offloaded
 
 _ORIGINAL = PreTrainedModel.from_pretrained.__func__
 _LOAD_LOCK = threading.RLock()   # re-entrant: a load may load sub-models

@@ -10,7 +10,7 @@ memory, so a batch can grow far beyond what device memory holds. On a CPU-only m
 same code runs, so it is tested everywhere.
 
 Example:
-    >>> from hf_moe_offload.attention import use_cpu_attention, restore_attention         # doctest: +SKIP
+    >>> from hf_moe_offload.attention.cpu import use_cpu_attention, restore_attention         # doctest: +SKIP
     >>> use_cpu_attention(model)          # model.generate now keeps its KV cache on the host  # doctest: +SKIP
     >>> out = model.generate(**inputs, max_new_tokens=32)                                    # doctest: +SKIP
     >>> restore_attention(model)          # the attention implementation it had before      # doctest: +SKIP
@@ -33,8 +33,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
-from ._compat import cache_keyword, is_continuous_batching, kv_cache
-from .policy import PolicyError
+from .._compat import cache_keyword, is_continuous_batching, kv_cache
+from ..policy.offload_policy import PolicyError
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +224,7 @@ def _host_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
 CB_REFUSAL = ("CPU attention (attention='cpu', attn_implementation='hf_moe_offload_cpu') cannot run transformers' "
               "continuous batching (generate_batch): it accepts only 'sdpa', 'paged|eager' or a flash attention "
               "implementation, and its paged KV cache is allocated on the model's device. Use generate() with CPU "
-              "attention, or restore the attention first (hf_moe_offload.attention.restore_attention(model), or a "
+              "attention, or restore the attention first (hf_moe_offload.attention.cpu.restore_attention(model), or a "
               "policy with attention='device')")
 
 

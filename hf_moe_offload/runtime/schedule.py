@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 
 from . import microbatch
-from .eviction import LookAhead
-from .hooks import LayerHook
+from ..memory.eviction import LookAhead
+from ..hooks import LayerHook
 
-from .policy import AUTO
+from ..policy.offload_policy import AUTO
 
 STREAM_SHARE = 0.5    # stream a pass expected to touch at least this share of a layer's experts
 EVICTION_LOOKAHEAD_LAYERS = 2   # eviction="lookahead": the routers of this many next layers guess this pass's uses
