@@ -12,11 +12,16 @@ Example:
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
 
 from .storage.checkpoint import BlockScales, ByteRange
+
+
+# One expert's tensors by slab part name, read from a built experts module (`MoEArch.expert_tensors`).
+ExpertTensors = Callable[[nn.Module, int], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)

@@ -140,12 +140,12 @@ def _on_a_gpu(monkeypatch, free_bytes: int):
     from hf_moe_offload.planning import resolve as auto
 
     monkeypatch.setattr(auto, "normalize_device", lambda device: torch.device(device))
-    monkeypatch.setattr(auto, "_free_bytes", lambda device: free_bytes if device.type == "cuda" else 64 * GiB)
+    monkeypatch.setattr(auto, "free_bytes", lambda device: free_bytes if device.type == "cuda" else 64 * GiB)
     return auto
 
 
 def _footprint(**changes):
-    from hf_moe_offload.planning.resolve import Footprint
+    from hf_moe_offload.planning.footprint import Footprint
 
     # Mixtral-8x7B-like sizes: 8 x 32 experts of 336 MiB, a 3 GiB resident part, 128 KiB of KV per token.
     base = dict(expert_bytes=256 * (336 << 20), slab_bytes=336 << 20, resident_bytes=3 * GiB, top_k=2,
@@ -182,7 +182,7 @@ def test_auto_attention_resolves_at_load_and_knows_which_models_it_can_serve(tin
     model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%")
     assert hf_moe_offload.get_engine(model).policy.attention == "device"     # the CPU device: nothing to move
     from hf_moe_offload.arch import get_arch
-    from hf_moe_offload.loading.load import footprint
+    from hf_moe_offload.planning.footprint import footprint
 
     for family, refused in (("mixtral", False), ("switch_transformers", True)):
         reference_model = reference(family, tiny_models[family])

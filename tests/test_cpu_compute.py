@@ -15,7 +15,8 @@ import torch
 
 import hf_moe_offload
 from conftest import forward_logits, offloaded, reference, token_inputs
-from hf_moe_offload.memory.placement import ExpertPlacement, check_placement, token_bucket
+from hf_moe_offload.memory.placement import ExpertPlacement, token_bucket
+from hf_moe_offload.planning.resolve import check_placement
 from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 
 FAMILIES = ["mixtral", "qwen3_moe", "switch_transformers"]
@@ -110,7 +111,7 @@ def test_auto_decision_few_tokens_on_cpu_many_copied():
 
 
 def test_auto_decision_uses_the_copy_engines_measured_bandwidth():
-    from hf_moe_offload.memory.placement import TransferMeter
+    from hf_moe_offload.memory.copy_engine import TransferMeter
 
     meter = TransferMeter()
     p = ExpertPlacement(same_memory=False, host_store=True, h2d_bytes_per_s=1e12, host_bytes_per_s=1e9,

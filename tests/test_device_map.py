@@ -11,7 +11,8 @@ import hf_moe_offload
 from conftest import forward_logits, reference, token_inputs
 from hf_moe_offload import PolicyError
 from hf_moe_offload.memory.cache import ExpertCache
-from hf_moe_offload.planning.device_map import CacheGroup, stand_in_devices
+from hf_moe_offload.memory.cache_group import CacheGroup
+from hf_moe_offload.planning.device_map import stand_in_devices
 from transformers import AutoModelForCausalLM
 
 DISK_HALF = {"store": "disk", "expert_cache": "50%"}

@@ -9,7 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig
 
 import hf_moe_offload
-from hf_moe_offload.planning.resolve import Footprint, resolve_micro_batches
+from hf_moe_offload.planning.footprint import Footprint
+from hf_moe_offload.planning.resolve import resolve_micro_batches
 from hf_moe_offload.runtime.microbatch import MicroBatchCacheView, bounds
 from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 from conftest import CAUSAL_FAMILIES, COMMON, offloaded, reference, token_inputs

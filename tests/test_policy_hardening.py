@@ -13,7 +13,8 @@ from transformers import MixtralConfig, Qwen3MoeConfig, SwitchTransformersConfig
 
 import hf_moe_offload
 from hf_moe_offload import OffloadPolicy, PolicyError
-from hf_moe_offload.planning.resolve import CUDA_HEADROOM_FLOOR, Footprint, resolve, sequence_costs
+from hf_moe_offload.planning.footprint import CUDA_HEADROOM_FLOOR, Footprint, sequence_costs
+from hf_moe_offload.planning.resolve import resolve
 from hf_moe_offload.policy.offload_policy import parse_size
 from conftest import offloaded
 

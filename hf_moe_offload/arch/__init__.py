@@ -8,7 +8,7 @@ own. `get_arch(config)` picks one or lists the supported model types.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import Iterator, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -18,8 +18,13 @@ from ..storage.checkpoint import FP8_DTYPES, CheckpointError, CheckpointIndex
 from ..layout import (RELEASED_ATTR, ExpertPiece, MoELayer, SlabLayout, alignment_offset,  # noqa: F401
                       empty_at_alignment, release_parameter, restore_parameter)
 
-if TYPE_CHECKING:
-    from ..runtime.engine import LayerRuntime
+
+class ExpertFetcher(Protocol):
+    """What an offloaded experts forward calls (the engine's per-layer runtime implements it)."""
+
+    def fetch(self, experts: Sequence[int], hidden_states: torch.Tensor | None = None,
+              tokens: Sequence[int] | None = None) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+        """Yield (expert, its named weights where they compute), resident experts first."""
 
 
 class UnsupportedModelError(ValueError):
@@ -75,7 +80,7 @@ class MoEArch(ABC):
         """Release the module's expert parameters (`release_parameter`): their bytes now live in the store."""
 
     @abstractmethod
-    def attach(self, model: nn.Module, layer: MoELayer, runtime: "LayerRuntime") -> None: ...
+    def attach(self, model: nn.Module, layer: MoELayer, runtime: ExpertFetcher) -> None: ...
 
     @abstractmethod
     def detach(self, model: nn.Module, layer: MoELayer) -> None: ...
@@ -215,7 +220,7 @@ class SwappedExpertsChild:
 
     offloaded_class: type
 
-    def attach(self, model: nn.Module, layer: MoELayer, runtime: "LayerRuntime") -> None:
+    def attach(self, model: nn.Module, layer: MoELayer, runtime: ExpertFetcher) -> None:
         model.get_submodule(layer.name.rsplit(".", 1)[0]).experts = self.offloaded_class(layer.module, runtime)
 
     def detach(self, model: nn.Module, layer: MoELayer) -> None:

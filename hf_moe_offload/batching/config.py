@@ -13,7 +13,7 @@ page cache a disk store reads through). `offload_batching_config` sizes both fro
 - tokens per pass: the fewer of
   - the most tokens whose activations, and their attention mask of `tokens x (KV + tokens)` entries (only with
     eager attention: flash needs none, and sdpa runs packed, request by request, `packed_attention.py`), fit in the
-    activation memory the policy left for those same tokens (`hf_moe_offload.planning.resolve.sequence_costs`), and
+    activation memory the policy left for those same tokens (`hf_moe_offload.planning.footprint.sequence_costs`), and
   - where the attention builds that dense mask (eager), the tokens that amortize a pass best: a pass costs
     each of its T tokens about R/T + α·(KV + T) (R: the seconds its expert bytes take to move, α: attention
     seconds per mask entry, both measured: `pass_costs.py`), lowest at T = √(R/α);
@@ -53,7 +53,7 @@ from torch import nn
 from transformers import ContinuousBatchingConfig
 from transformers.utils.generic import is_flash_attention_requested
 
-from ..planning.resolve import sequence_costs
+from ..planning.footprint import sequence_costs
 from ..runtime.engine import get_engine
 from ..attention.packed import runs_packed, use_packed_attention
 from .pass_costs import PassCosts, measure_pass_costs

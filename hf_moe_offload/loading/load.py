@@ -36,10 +36,13 @@ import transformers.core_model_loading as core_model_loading
 import transformers.modeling_utils as modeling_utils
 
 from ..arch import MoEArch, MoELayer, get_arch
-from ..planning.resolve import Footprint, resolve, sequence_costs
+from ..planning.footprint import footprint
+from ..planning.resolve import resolve
 from ..storage.checkpoint import SAFETENSORS_DTYPES, CheckpointIndex, resolve_checkpoint_dir
 from ..runtime.engine import OffloadEngine, get_engine, move_resident_part
 from ..arch.forward import EXPERTS_IMPLEMENTATION
+from ..prefetch.hash_predictor import HashPredictor
+from ..prefetch.hash_runner import HashPrefetcher
 from ..policy.offload_policy import AUTO, DEFAULT_INT4_GROUP_SIZE, OffloadPolicy, PolicyError
 from ..storage.quantize import QuantizedSlabLayout, quantized_layouts
 from ..storage.spill import (quantized_cache_root, quantized_fingerprint, remove_folder, reuse_quantized, spill_experts,
@@ -122,7 +125,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     if plan is not None and plan.hook_map is not None:
         _dispatch(model, plan.hook_map)
     if predictor is not None:
-        engine.attach_predictor(predictor)
+        engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
     _apply_attention(model, engine)
     _apply_batching(model, engine)
     return model
@@ -182,9 +185,9 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
             store = _quantized_store(resolved.policy, layers, dtype, device,
                                      lambda l, e: arch.expert_tensors(layers[l].module, e), folder)
         elif folder is not None:
-            store = DiskStore(layers, spill_experts(layers, arch, dtype, folder), dtype)
+            store = DiskStore(layers, spill_experts(layers, arch.expert_tensors, dtype, folder), dtype)
         else:
-            store = CpuStore.from_modules(layers, arch, dtype, device=device)
+            store = CpuStore.from_modules(layers, arch.expert_tensors, dtype, device=device)
     except BaseException:
         if own_folder:
             remove_folder(folder)
@@ -199,7 +202,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
         # The store's files go with the engine: on disable(), or at exit for a model never disabled.
         engine.on_detach.append(weakref.finalize(engine, remove_folder, folder))
     if predictor is not None:
-        engine.attach_predictor(predictor)
+        engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
     _apply_attention(model, engine)
     _apply_batching(model, engine)
     return model
@@ -246,34 +249,6 @@ def disable(model: PreTrainedModel) -> PreTrainedModel:
         raise PolicyError("this model is not offloaded by hf_moe_offload (nothing to disable)")
     engine.detach()
     return model
-
-
-def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
-              quantized: list[QuantizedSlabLayout] | None = None) -> Footprint:
-    """Byte sizes of the model at `dtype` (works on a meta skeleton: only shapes are read); with `quantized`
-    layouts, experts count as stored quantized (so expert_cache="25%" is a quarter of the quantized bytes)."""
-    expert_ids = {id(p) for lay in layers for p in lay.module.parameters()}
-    resident = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids) * dtype.itemsize
-    if quantized is not None:
-        slab = max(lay.numel for lay in quantized)
-        experts = sum(q.numel * lay.num_experts for q, lay in zip(quantized, layers))
-    else:
-        slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
-        experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
-    return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k,
-                     layer_experts=tuple(lay.num_experts for lay in layers), **sequence_costs(model.config, dtype),
-                     cpu_attention_refusal=_cpu_attention_refusal(model))
-
-
-def _cpu_attention_refusal(model: nn.Module) -> str | None:
-    """Why CPU attention cannot serve `model` (attention="auto" then keeps it on the device), or None."""
-    from ..attention.cpu import check_cpu_attention
-
-    try:
-        check_cpu_attention(model)
-    except PolicyError as err:
-        return str(err)
-    return None
 
 
 SUPPORTED_CHECKPOINT_QUANTIZATION = ("fine-grained FP8 (quant_method='fp8' with weight_block_size [rows, cols], "
@@ -460,12 +435,10 @@ def _warn_if_experts_implementation_requested(requested: str | None) -> None:
                        requested, EXPERTS_IMPLEMENTATION)
 
 
-def _load_predictor(policy: OffloadPolicy, model: nn.Module):
+def _load_predictor(policy: OffloadPolicy, model: nn.Module) -> HashPredictor | None:
     """The policy's hash predictor, its files and fingerprint checked against `model` (a skeleton will do)."""
     if not policy.predictor:
         return None
-    from ..prefetch.hash_predictor import HashPredictor
-
     return HashPredictor.load(policy.predictor, model=model, device="cpu")
 
 

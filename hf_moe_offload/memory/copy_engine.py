@@ -9,7 +9,7 @@
 
 Both serve demand loads before queued prefetch loads (`load(..., demand=False)`), and a failed read is raised by
 every `wait()` of its handle while the engine goes on serving other loads. Each engine measures its own copies
-(`meter`, a `placement.TransferMeter`): the host-to-device bandwidth that `expert_compute="auto"` weighs against
+(`meter`, a `TransferMeter`): the host-to-device bandwidth that `expert_compute="auto"` weighs against
 CPU compute. `read_host` reads an expert into a host buffer on the same readers, for an expert computed on the CPU.
 
 Example:
@@ -25,16 +25,57 @@ import itertools
 import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
 import torch
 
-from .placement import TransferMeter
 from ..storage.store import ExpertStore, HostMemory
+
+EWMA = 0.3                 # weight of a new transfer measurement
 
 # Disk reads of different experts run in parallel: SSDs serve several requests at once far faster than one.
 DISK_READERS = 4
+
+
+class TransferMeter:
+    """Bytes per second of the copies a copy engine made (an EWMA, thread-safe): `record(nbytes, seconds)`.
+
+    Example:
+        >>> meter = TransferMeter(); meter.record(1000, 0.001); round(meter.bytes_per_s)
+        1000000
+    """
+
+    def __init__(self) -> None:
+        self.bytes_per_s: float | None = None
+        self.count = 0
+        self._lock = threading.Lock()
+        self._pending: deque = deque()     # CUDA (start, end, nbytes) event pairs not known to be done yet
+
+    def record(self, nbytes: int, seconds: float) -> None:
+        if seconds <= 0:
+            return
+        rate = nbytes / seconds
+        with self._lock:
+            self.bytes_per_s = rate if self.bytes_per_s is None else (1 - EWMA) * self.bytes_per_s + EWMA * rate
+            self.count += 1
+
+    def record_events(self, start: Any, end: Any, nbytes: int) -> None:
+        """A CUDA copy timed by an event pair; settled once the end event has run (`settle`)."""
+        with self._lock:
+            self._pending.append((start, end, nbytes))
+            if len(self._pending) > 1024:      # nobody settles (no "auto" decision asked): keep the newest
+                self._pending.popleft()
+
+    def settle(self) -> None:
+        """Fold in the event-timed copies that have finished (never blocks)."""
+        while True:
+            with self._lock:
+                if not self._pending or not self._pending[0][1].query():
+                    return
+                start, end, nbytes = self._pending.popleft()
+            self.record(nbytes, start.elapsed_time(end) / 1e3)
 
 
 class PriorityReaders:

@@ -26,18 +26,17 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ..policy.offload_policy import PolicyError, format_bytes
-from ..planning.profile import best_rate
+from ..policy.offload_policy import format_bytes
+from .._timing import best_rate
+from .copy_engine import EWMA, TransferMeter
 
 logger = logging.getLogger(__name__)
 
-EWMA = 0.3                 # weight of a new measurement
 CALIBRATION_BYTES = 64 << 20
 
 
@@ -49,45 +48,6 @@ def token_bucket(tokens: int) -> int:
         [1, 2, 4, 8, 16]
     """
     return 1 << max(0, int(tokens) - 1).bit_length()
-
-
-class TransferMeter:
-    """Bytes per second of the copies a copy engine made (an EWMA, thread-safe): `record(nbytes, seconds)`.
-
-    Example:
-        >>> meter = TransferMeter(); meter.record(1000, 0.001); round(meter.bytes_per_s)
-        1000000
-    """
-
-    def __init__(self) -> None:
-        self.bytes_per_s: float | None = None
-        self.count = 0
-        self._lock = threading.Lock()
-        self._pending: deque = deque()     # CUDA (start, end, nbytes) event pairs not known to be done yet
-
-    def record(self, nbytes: int, seconds: float) -> None:
-        if seconds <= 0:
-            return
-        rate = nbytes / seconds
-        with self._lock:
-            self.bytes_per_s = rate if self.bytes_per_s is None else (1 - EWMA) * self.bytes_per_s + EWMA * rate
-            self.count += 1
-
-    def record_events(self, start: Any, end: Any, nbytes: int) -> None:
-        """A CUDA copy timed by an event pair; settled once the end event has run (`settle`)."""
-        with self._lock:
-            self._pending.append((start, end, nbytes))
-            if len(self._pending) > 1024:      # nobody settles (no "auto" decision asked): keep the newest
-                self._pending.popleft()
-
-    def settle(self) -> None:
-        """Fold in the event-timed copies that have finished (never blocks)."""
-        while True:
-            with self._lock:
-                if not self._pending or not self._pending[0][1].query():
-                    return
-                start, end, nbytes = self._pending.popleft()
-            self.record(nbytes, start.elapsed_time(end) / 1e3)
 
 
 class ExpertPlacement:
@@ -199,51 +159,3 @@ class ExpertPlacement:
                 placement.h2d_bytes_per_s = best_rate(pinned.nbytes, copy, seconds=0)
                 del on_device
         return placement
-
-
-# -- the budget of the static split, checked before anything is allocated ------------------------------------------
-
-def check_placement(policy: Any, layer_experts: Sequence[int], slab_bytes: int, top_k: int, cache_bytes: int,
-                    zero_copy: bool) -> int:
-    """The cache budget `expert_compute` and `resident_layers` need: raise a `PolicyError` naming the smallest
-    budget that works, or return `cache_bytes` (with `expert_compute="cpu"`, capped to the resident layers: no
-    other expert is ever copied). `layer_experts`: experts per MoE layer in forward order (empty: unknown, only
-    the cross-field rules are checked).
-
-    Example:
-        >>> from hf_moe_offload.policy.offload_policy import OffloadPolicy
-        >>> check_placement(OffloadPolicy(resident_layers=1), [8, 8], 100, 2, 1000, False)
-        1000
-        >>> check_placement(OffloadPolicy(resident_layers=1), [8, 8], 100, 2, 900, False)
-        Traceback (most recent call last):
-        ...
-        hf_moe_offload.policy.offload_policy.PolicyError: expert_cache=900 B cannot hold resident_layers=1 ...
-    """
-    compute, layers = policy.expert_compute, int(policy.resident_layers)
-    if compute == "cpu" and policy.prefetch in ("hash", "lookahead"):
-        raise PolicyError(f"prefetch={policy.prefetch!r} cannot work with expert_compute='cpu': a prefetch copies "
-                          f"experts to the device ahead of use, while 'cpu' computes every expert that is not in "
-                          f"the resident layers on the CPU from host memory; use expert_compute='auto' (copies when "
-                          f"that is faster) or prefetch='none'")
-    if layer_experts and layers > len(layer_experts):
-        raise PolicyError(f"resident_layers={layers} is more than this model's {len(layer_experts)} MoE layers; "
-                          f"allowed: 0 to {len(layer_experts)}")
-    if zero_copy or not layer_experts:
-        return cache_bytes
-    resident = sum(layer_experts[:layers]) * slab_bytes
-    others_copy = compute != "cpu" and layers < len(layer_experts)    # layers left to load on demand
-    working = top_k * slab_bytes if others_copy else 0
-    needed = resident + working
-    if layers and cache_bytes < needed:
-        what = (f" plus one layer's top-k working set ({top_k} x {format_bytes(slab_bytes)})" if others_copy
-                else "")
-        raise PolicyError(f"expert_cache={format_bytes(cache_bytes)} cannot hold resident_layers={layers} "
-                          f"({sum(layer_experts[:layers])} experts x {format_bytes(slab_bytes)} = "
-                          f"{format_bytes(resident)}){what}; use at least expert_cache={needed}, or fewer "
-                          f"resident_layers")
-    if compute == "cpu" and cache_bytes > resident:
-        logger.info("hf_moe_offload: expert_compute='cpu': the device cache holds only the %d resident layers' "
-                    "experts (%s); the rest of expert_cache=%s is not allocated", layers, format_bytes(resident),
-                    format_bytes(cache_bytes))
-        return resident
-    return cache_bytes

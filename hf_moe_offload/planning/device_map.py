@@ -1,6 +1,6 @@
 """A user's `device_map` / `max_memory` next to `offload_policy`: where the non-expert part goes, which device
-each MoE layer's expert cache lives on, and each device's share of the cache budget (`plan_devices`); one
-`ExpertCache` per device behind a `CacheGroup` that looks like one cache to the engine.
+each MoE layer's expert cache lives on, and each device's share of the cache budget (`plan_devices`). The runtime
+side, one `ExpertCache` per device behind one face, is `memory.cache_group`.
 
 - A string map ("auto", "balanced", "balanced_low_0", "sequential") is computed by accelerate
   (`get_balanced_memory` / `get_max_memory`, then `infer_auto_device_map`) on the meta skeleton with the experts'
@@ -33,20 +33,16 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from .resolve import Footprint, ResolvedPolicy, _free_bytes, _headroom, _workload, resolve, resolve_micro_batches
-from ..memory.cache import ExpertCache
-from ..memory.eviction import make_eviction
+from .footprint import Footprint, auto_device, free_bytes, headroom_bytes, workload
+from .resolve import ResolvedPolicy, check_placement, resolve, resolve_micro_batches
+from ..memory.cache_group import DevicePlan
 from ..layout import MoELayer
-from ..memory.placement import check_placement
 from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError, format_bytes, normalize_device, parse_size
-from ..stats import DeviceStats, OffloadStats
-from ..storage.store import ExpertStore
 
 logger = logging.getLogger(__name__)
 
@@ -120,34 +116,6 @@ def _logical_name(value: Any, where: str) -> str:
                           f"{allowed} ({err})") from None
 
 
-@dataclass(frozen=True)
-class DevicePlan:
-    """Where things go when a device map is given.
-
-    Example:
-        >>> plan = DevicePlan(module_map={"": "cpu"}, hook_map=None, layer_devices=("cpu",),
-        ...                   physical={"cpu": torch.device("cpu")}, budgets={"cpu": 1024},
-        ...                   primary=torch.device("cpu"))
-        >>> plan.cache_devices
-        ['cpu']
-    """
-
-    module_map: dict[str, str]               # what transformers loads with: physical devices, experts on "meta"
-    hook_map: dict[str, str] | None          # block-level physical placement for accelerate's hooks (None: none)
-    layer_devices: tuple[str, ...]           # each MoE layer's logical cache device, forward order
-    physical: dict[str, torch.device]        # logical device -> torch device
-    budgets: dict[str, int]                  # logical device -> expert-cache bytes
-    primary: torch.device                    # the policy's device from now on (first GPU holding layers, else CPU)
-
-    @property
-    def cache_devices(self) -> list[str]:
-        """Logical devices holding MoE layers, in the order of their first layer."""
-        return list(dict.fromkeys(self.layer_devices))
-
-    def layers_of(self, device: str) -> list[int]:
-        return [i for i, d in enumerate(self.layer_devices) if d == device]
-
-
 def plan_devices(skeleton: nn.Module, layers: Sequence[MoELayer], device_map: Any, max_memory: Any,
                  policy: OffloadPolicy, fp: Footprint, dtype: torch.dtype) -> tuple[DevicePlan, ResolvedPolicy]:
     """Validate `device_map` / `max_memory`, place the non-expert part and split the cache budget; raises a
@@ -158,7 +126,7 @@ def plan_devices(skeleton: nn.Module, layers: Sequence[MoELayer], device_map: An
         ...                               torch.float32)                                     # doctest: +SKIP
     """
     limits = _parse_max_memory(max_memory)
-    default = str(normalize_device(policy.device)) if policy.device != AUTO else str(_auto_device())
+    default = str(normalize_device(policy.device)) if policy.device != AUTO else str(auto_device())
     expert_names = [lay.name for lay in layers]
     for name in expert_names:                 # not placed by accelerate: the store holds them
         for module in skeleton.get_submodule(name).modules():
@@ -203,10 +171,6 @@ def plan_devices(skeleton: nn.Module, layers: Sequence[MoELayer], device_map: An
                 ", ".join(f"{d} ({len(plan.layers_of(d))} layers)" for d in cache_devices),
                 ", ".join(f"{d} {format_bytes(b)}" for d, b in budgets.items()))
     return plan, resolved
-
-
-def _auto_device() -> torch.device:
-    return torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _parse_max_memory(max_memory: Any) -> dict[str, int]:
@@ -309,7 +273,7 @@ def _weight(device: str, limits: Mapping[str, int]) -> int:
     """How much of the budget `device` takes: the user's max_memory for it, else its free memory."""
     if device in limits:
         return limits[device]
-    return max(1, _free_bytes(physical_device(device)))
+    return max(1, free_bytes(physical_device(device)))
 
 
 def _split(total: int, weights: Mapping[str, int]) -> dict[str, int]:
@@ -338,10 +302,10 @@ def _budgets(policy: OffloadPolicy, fp: Footprint, primary: torch.device, layers
     if not slotted:
         return resolved, budgets
     if policy.expert_cache == AUTO:
-        batch, seq_len = _workload(resolved.policy, fp)
+        batch, seq_len = workload(resolved.policy, fp)
         for d in slotted:
-            free = limits.get(d, _free_bytes(physical[d]))
-            budgets[d] = max(0, free - placed.get(d, 0) - _headroom(physical[d], fp, batch, seq_len))
+            free = limits.get(d, free_bytes(physical[d]))
+            budgets[d] = max(0, free - placed.get(d, 0) - headroom_bytes(physical[d], fp, batch, seq_len))
         total = sum(budgets[d] for d in slotted)
         # expert_compute="cpu" copies only the resident layers: the cache is capped to them, as without a map.
         capped = check_placement(resolved.policy, fp.layer_experts, fp.slab_bytes, fp.top_k, total, False)
@@ -398,116 +362,3 @@ def _placed_bytes(skeleton: nn.Module, logical_map: Mapping[str, str], dtype: to
         d = _covering(logical_map, name, default)
         placed[d] = placed.get(d, 0) + p.numel() * dtype.itemsize
     return placed
-
-
-# -- several caches ------------------------------------------------------------------------------------------------
-
-class _Resident(Mapping):
-    """The union of the caches' resident maps ((layer, expert) -> slot), looked up in the layer's own cache."""
-
-    def __init__(self, group: "CacheGroup"):
-        self._group = group
-
-    def __getitem__(self, key):
-        return self._group.by_layer[key[0]].resident[key]
-
-    def __contains__(self, key) -> bool:
-        return key in self._group.by_layer[key[0]].resident
-
-    def __iter__(self):
-        for cache in self._group.caches.values():
-            yield from cache.resident
-
-    def __len__(self) -> int:
-        return sum(len(c.resident) for c in self._group.caches.values())
-
-
-class CacheGroup:
-    """One `ExpertCache` (and copy engine) per device, looking like one cache to the engine: each call goes to the
-    cache of the layer it names; every cache shares one lock (threads take turns per MoE layer, as with one
-    cache) and one eviction policy (its per-key state never mixes: each layer is in one cache).
-
-    Example:
-        >>> group = build_cache_group(store, plan, policy, stats)           # doctest: +SKIP
-        >>> for expert, slab in group.fetch(layer=1, experts=[0, 3]): ...    # doctest: +SKIP
-    """
-
-    def __init__(self, caches: Mapping[str, ExpertCache], layer_devices: Sequence[str], stats: OffloadStats):
-        self.caches = dict(caches)
-        self.layer_devices = tuple(layer_devices)
-        self.by_layer = [self.caches[d] for d in layer_devices]
-        self.stats = stats
-        self.lock = threading.RLock()
-        for cache in self.caches.values():
-            cache.lock = self.lock
-        first = next(iter(self.caches.values()))
-        self.store, self.eviction, self.expert_compute = first.store, first.eviction, first.expert_compute
-        self.slot_bytes = first.slot_bytes
-        self.zero_copy = all(c.zero_copy for c in self.caches.values())
-        self.num_slots = sum(c.num_slots for c in self.caches.values())
-        self.resident = _Resident(self)
-        self._computing: ExpertCache | None = None      # the cache whose layer computes now
-
-    @property
-    def copy(self):
-        """A copy engine (its meter: measured read bandwidth); the first device's that copies."""
-        return next((c.copy for c in self.caches.values() if c.copy is not None), None)
-
-    def fetch(self, layer: int, experts: Sequence[int], on_pinned=None, tokens: Sequence[int] | None = None,
-              hold: bool = False):
-        self._computing = self.by_layer[layer]
-        return self.by_layer[layer].fetch(layer, experts, on_pinned, tokens, hold)
-
-    def release_held(self) -> None:
-        for cache in self.caches.values():
-            cache.release_held()
-
-    @property
-    def held(self) -> int:
-        return sum(cache.held for cache in self.caches.values())
-
-    def begin_pass(self, window: int | None, ahead_room: int | None = None) -> None:
-        with self.lock:
-            for cache in self.caches.values():
-                cache.begin_pass(window, ahead_room)
-
-    def read_ahead(self, layer: int, experts: Sequence[int]) -> None:
-        target = self.by_layer[layer]
-        target.read_ahead(layer, experts)
-        if target is not self._computing and not target.zero_copy and target.expert_compute != "cpu":
-            # Another device: its own copy engine can read now, while this device computes (its queue is
-            # otherwise drained only by its own next fetch, which is that layer's demand).
-            with self.lock:
-                target._issue_ahead(in_flight=0)
-
-    def prefetch(self, layer: int, experts: Sequence[int]) -> int:
-        return self.by_layer[layer].prefetch(layer, experts)
-
-    def resident_bytes(self) -> int:
-        return sum(c.resident_bytes() for c in self.caches.values())
-
-    def settle_stalls(self, block: bool = True) -> None:
-        for cache in self.caches.values():
-            cache.settle_stalls(block)
-
-    def close(self) -> None:
-        with self.lock:
-            for cache in self.caches.values():
-                cache.close()
-
-
-def build_cache_group(store: ExpertStore, plan: DevicePlan, policy: OffloadPolicy,
-                      stats: OffloadStats) -> CacheGroup:
-    """One cache per device of `plan`, each with its budget and its own copy engine; the stats show each device."""
-    eviction = make_eviction(policy.eviction, num_layers=len(store.layouts))
-    caches: dict[str, ExpertCache] = {}
-    try:
-        for device in plan.cache_devices:
-            caches[device] = ExpertCache(store, plan.physical[device], plan.budgets[device], eviction,
-                                         DeviceStats(stats, device), policy.expert_compute, policy.resident_layers)
-    except BaseException:
-        for cache in caches.values():
-            cache.close()
-        raise
-    stats.devices = {d: plan.layers_of(d) for d in plan.cache_devices}
-    return CacheGroup(caches, plan.layer_devices, stats)

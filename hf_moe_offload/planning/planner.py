@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from .resolve import CUDA_HEADROOM_FLOOR, Footprint
+from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, footprint
 from ..policy.offload_policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
 from .profile import MachineProfile
 from ..runtime.schedule import STREAM_SHARE, expected_experts
@@ -48,7 +48,6 @@ from ..runtime.schedule import STREAM_SHARE, expected_experts
 logger = logging.getLogger(__name__)
 
 RESIDENT_SHARES = (0.0, 0.125, 0.25, 0.5, 0.75, 1.0)   # besides "all that fits"
-HOST_HEADROOM = 0.15                                   # share of host memory the plan leaves free
 STREAM_WINDOWS = (1, 2, 4)                             # stream_window values weighed for streamed passes
 
 
@@ -84,7 +83,7 @@ class ModelShape:
 
     @classmethod
     def from_footprint(cls, fp: Footprint, config: Any, dtype: torch.dtype) -> "ModelShape":
-        """From `loading.footprint()`'s sizes plus the config's attention shape."""
+        """From `footprint()`'s sizes plus the config's attention shape."""
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         hidden = int(getattr(text, "hidden_size"))
         heads = int(getattr(text, "num_attention_heads"))
@@ -107,7 +106,6 @@ class ModelShape:
         from transformers import AutoModelForCausalLM
 
         from ..arch import get_arch
-        from ..loading.load import footprint
 
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)

@@ -37,6 +37,7 @@ import psutil
 import torch
 
 from .._compat import cache_keyword
+from .._timing import best_rate
 from .._logging import progress
 
 logger = logging.getLogger(__name__)
@@ -341,22 +342,6 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
                              **values)
     logger.info("hf_moe_offload profile: %s", profile.summary().replace("\n", ";"))
     return profile
-
-
-def best_rate(work: float, run, seconds: float, min_runs: int = 3) -> float:
-    """Work per second of the fastest of several runs (others' load only slows a run down): at least `min_runs`,
-    and more until `seconds` have passed (`seconds=0`: exactly `min_runs`)."""
-    best = math.inf
-    start = time.perf_counter()
-    runs = 0
-    while runs < min_runs or time.perf_counter() - start < seconds:
-        t0 = time.perf_counter()
-        run()
-        best = min(best, time.perf_counter() - t0)
-        runs += 1
-        if runs >= 1000:
-            break
-    return work / max(best, 1e-9)
 
 
 def _disk_bandwidth(piece: int, pieces: int, threads: int) -> float:

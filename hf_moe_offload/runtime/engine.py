@@ -12,7 +12,7 @@ What the model keeps promising while offloaded:
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Callable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from torch import nn
 from . import microbatch
 from ..arch import MoEArch
 from ..memory.cache import ExpertCache
+from ..memory.cache_group import CacheGroup, DevicePlan, build_cache_group
 from ..hooks import HookHandle, LayerHook
 from ..layout import MoELayer
 from ..policy.offload_policy import OffloadPolicy, PolicyError
@@ -27,8 +28,6 @@ from .schedule import StreamPlanner
 from ..stats import OffloadStats, StatsSnapshot
 from ..storage.store import ExpertStore
 
-if TYPE_CHECKING:
-    from ..planning.device_map import CacheGroup, DevicePlan
 
 logger = logging.getLogger(__name__)
 
@@ -101,7 +100,7 @@ class OffloadEngine:
                ) -> "OffloadEngine":
         """Release the experts' parameters, then allocate the cache (so a model whose experts sat on the device
         frees them first) and route the experts' forward through it. `devices` (a device_map over several
-        devices): one cache per device with its own budget (`devices.CacheGroup`); `budget_bytes` is then their
+        devices): one cache per device with its own budget (`CacheGroup`); `budget_bytes` is then their
         sum."""
         device = torch.device(policy.device)
         restore_to = restore_device or device
@@ -114,8 +113,6 @@ class OffloadEngine:
         stats = OffloadStats(num_layers=len(layers))
         try:
             if devices is not None:
-                from ..planning.device_map import build_cache_group
-
                 cache = build_cache_group(store, devices, policy, stats)
             else:
                 cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats, policy.expert_compute,
@@ -148,11 +145,10 @@ class OffloadEngine:
         self.hooks.append(hook)
         return HookHandle(self.hooks, hook)
 
-    def attach_predictor(self, predictor: nn.Module) -> None:
-        from ..prefetch.hash_runner import HashPrefetcher
-
-        self.prefetcher = HashPrefetcher(self, predictor, routing=self.policy.routing)
-        self.add_hook(self.prefetcher)
+    def attach_prefetcher(self, prefetcher: LayerHook) -> None:
+        """Add the policy's predictor hook; it stays reachable as `engine.prefetcher` (its stats, its tuning)."""
+        self.prefetcher = prefetcher
+        self.add_hook(prefetcher)
 
     def stats_snapshot(self) -> StatsSnapshot:
         """The cache's counters and every hook's (e.g. the predictor's timings); `reset()` zeroes them all."""

@@ -9,7 +9,7 @@ Quantized experts (`quantize="int8"|"int4"` with `store="disk"`) go to a quantiz
 `write_quantized`, reused by later loads while its fingerprint matches (`reuse_quantized`).
 
 Example:
-    >>> pieces = spill_experts(layers, arch, torch.float32, "/tmp/spill")    # doctest: +SKIP
+    >>> pieces = spill_experts(layers, arch.expert_tensors, torch.float32, "/tmp/spill")    # doctest: +SKIP
     >>> store = DiskStore(layers, pieces, torch.float32)                     # doctest: +SKIP
 """
 
@@ -27,21 +27,21 @@ import torch
 from safetensors.torch import save_file
 
 from .._logging import progress
-from ..arch import MoEArch
 from .checkpoint import CheckpointError, CheckpointIndex, read_header
-from ..layout import ExpertPiece, MoELayer
+from ..layout import ExpertPiece, ExpertTensors, MoELayer
 from .quantize import QuantizedSlabLayout, packing_signature
 
 logger = logging.getLogger(__name__)
 
 
-def spill_experts(layers: list[MoELayer], arch: MoEArch, dtype: torch.dtype, folder: str
+def spill_experts(layers: list[MoELayer], expert_tensors: ExpertTensors, dtype: torch.dtype, folder: str
                   ) -> list[list[list[ExpertPiece]]]:
-    """Write every expert of `layers` (still in their modules) to `folder`; return `pieces[layer][expert]`."""
+    """Write every expert of `layers` (still in their modules) to `folder`; return `pieces[layer][expert]`.
+    `expert_tensors(module, e)`: one expert's tensors by slab part name (`MoEArch.expert_tensors`)."""
     os.makedirs(folder, exist_ok=True)
     entries = {}
     for layer in progress(layers, desc="Writing experts to the offload folder", unit="layer"):
-        tensors = {f"{layer.index}.{part}": torch.stack([arch.expert_tensors(layer.module, e)[part].to("cpu", dtype)
+        tensors = {f"{layer.index}.{part}": torch.stack([expert_tensors(layer.module, e)[part].to("cpu", dtype)
                                                           for e in range(layer.num_experts)]).contiguous()
                    for part, _ in layer.layout.parts}
         path = os.path.join(folder, f"experts-layer-{layer.index:05d}.safetensors")

@@ -23,17 +23,14 @@ import resource
 import threading
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from .._logging import progress
 from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
-from ..layout import ExpertPiece, MoELayer, SlabLayout
+from ..layout import ExpertPiece, ExpertTensors, MoELayer, SlabLayout
 from .quantize import QuantizedSlabLayout
-
-if TYPE_CHECKING:
-    from ..arch import MoEArch
 
 # cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.
 PAGE = mmap.PAGESIZE
@@ -351,15 +348,16 @@ class CpuStore(ExpertStore):
         return store
 
     @classmethod
-    def from_modules(cls, layers: Sequence[MoELayer], arch: "MoEArch", dtype: torch.dtype,
+    def from_modules(cls, layers: Sequence[MoELayer], expert_tensors: ExpertTensors, dtype: torch.dtype,
                      pin: bool | None = None, device: torch.device | None = None) -> "CpuStore":
-        """Copy the experts of a built model into host slabs."""
+        """Copy the experts of a built model into host slabs; `expert_tensors(module, e)` gives one expert's
+        tensors by slab part name (the model family's `MoEArch.expert_tensors`)."""
         store = cls.allocate([lay.layout for lay in layers], [lay.num_experts for lay in layers], dtype, pin,
                              device)
         for lay in layers:
             for e in range(lay.num_experts):
                 views = lay.layout.views(store.slabs[lay.index][e])
-                for part, tensor in arch.expert_tensors(lay.module, e).items():
+                for part, tensor in expert_tensors(lay.module, e).items():
                     views[part].copy_(tensor)
         return store
 
