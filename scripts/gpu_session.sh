@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The first work of a session lent a GPU machine (docs/gpu_runbook.md): one phase per device call, each sized to end
-# well inside the device tool's 10-minute limit. Logs and results go to the folder given second, else $OUT.
+# The CUDA checks on a GPU machine (CONTRIBUTING.md, "GPU checks"): one phase per call, each sized to end within
+# 10 minutes. Logs and results go to the folder given second, else $OUT.
 #
 #   bash scripts/gpu_session.sh tests          # tests/test_cuda.py, every CUDA test (skips nothing on a GPU)
 #   bash scripts/gpu_session.sh bench-quick    # scripts/bench.py --device cuda --quick: 2 Mixtral-8x7B layers
-#   bash scripts/gpu_session.sh bench-batch    # issue 8's GPU rows: batch 64/128/256, experts in host memory, 16 GiB
+#   bash scripts/gpu_session.sh bench-batch    # batch 64/128/256, experts in host memory, 16 GiB cap
 #
-# The machine has no network and transformers 5.17; wheels carried in .whl/ (see the runbook) are installed first.
+# Wheels in .whl/ (a newer transformers for a machine without network; CONTRIBUTING.md) are installed first.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
