@@ -28,7 +28,7 @@ from transformers import MixtralConfig
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hf_moe_offload.planning.planner import Candidate, ModelShape, predict  # noqa: E402
 from hf_moe_offload.planning.profile import MachineProfile, measure  # noqa: E402
-from hf_moe_offload.runtime.schedule import STREAM_SHARE, expected_experts  # noqa: E402
+from hf_moe_offload.runtime.pass_scheduler import is_wide_pass  # noqa: E402
 
 EXCLUDED = ("int8", "int4")   # quantized stores move other bytes and dequantize; not modelled yet
 # Files recorded by an engine the planner does not model (before streamed passes: batch-8 prefill 5x slower).
@@ -44,8 +44,7 @@ def shape_of(d: dict) -> ModelShape:
 
 
 def schedule(tokens: int, shape: ModelShape) -> str:
-    return "stream" if expected_experts(tokens, shape.experts, shape.top_k) >= STREAM_SHARE * shape.experts \
-        else "on_demand"
+    return "stream" if is_wide_pass(tokens, shape.top_k, shape.experts) else "on_demand"
 
 
 def main() -> int:

@@ -13,7 +13,8 @@ import hf_moe_offload
 from hf_moe_offload.analysis import RoutingRecorder, simulate
 from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.memory.eviction import LookAhead, make_eviction
-from hf_moe_offload.runtime.schedule import LookaheadGate, StreamPlanner
+from hf_moe_offload.runtime.lookahead_gate import LookaheadGate, PayoffTrial, RouterLookahead
+from hf_moe_offload.runtime.pass_scheduler import PassScheduler
 from hf_moe_offload.stats import OffloadStats
 from conftest import offloaded, reference, token_inputs
 from test_streaming import NUMEL, LayeredStore
@@ -35,8 +36,8 @@ class BudgetWatch(hf_moe_offload.LayerHook):
         self.seen.append(self.engine.cache.resident_bytes())
 
 
-def planner_of(model) -> StreamPlanner:
-    return next(h for h in hf_moe_offload.get_engine(model).hooks if isinstance(h, StreamPlanner))
+def lookahead_of(model) -> RouterLookahead:
+    return next(h for h in hf_moe_offload.get_engine(model).hooks if isinstance(h, PassScheduler)).lookahead
 
 
 @pytest.mark.parametrize("prefetch", ["auto", "lookahead"])
@@ -66,7 +67,7 @@ def test_default_prefetch_is_auto_and_scores_guesses_without_reading_them_while_
     model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache=THIRD,
                       schedule="on_demand")
     assert hf_moe_offload.get_engine(model).policy.prefetch == "auto"
-    planner_of(model).gate = LookaheadGate(min_guesses=10**6)      # never decides: stays off
+    lookahead_of(model).gate = LookaheadGate(min_guesses=10**6)    # never decides: stays off
     model.generate(token_inputs(1, 6, seed=3)[0], **GENERATE)
     snap = hf_moe_offload.stats(model)
     assert snap["lookahead_guesses"] > 0 and snap["lookahead_on"] is False
@@ -83,16 +84,16 @@ def _recorded_routes(family, path, ids) -> list[tuple[int, tuple[int, ...]]]:
 
 @pytest.mark.parametrize("right", [True, False])
 def test_auto_reads_ahead_while_guesses_are_right_and_stops_when_they_are_wrong(tiny_models, right):
-    """The planner's guesses replaced by the routing recorded in an earlier run (right) or its complement (wrong)."""
+    """The look-ahead's guesses replaced by the routing recorded in an earlier run (right) or its complement (wrong)."""
     family, path = "mixtral", tiny_models["mixtral"]
     ids, _ = token_inputs(1, 6, seed=12)
     expected = reference(family, path).generate(ids, **GENERATE)
     routes = _recorded_routes(family, path, ids)
     per_layer = {layer: [experts for l, experts in routes if l == layer] for layer in (0, 1)}
     model = offloaded(family, path, device="cpu", store="disk", expert_cache=THIRD, schedule="on_demand")
-    planner = planner_of(model)
-    planner.gate = LookaheadGate(window=16, min_guesses=4)
-    planner.gate.on = not right                   # starts the other way: the rule must turn it
+    lookahead = lookahead_of(model)
+    lookahead.gate = LookaheadGate(window=16, min_guesses=4)
+    lookahead.gate.on = not right                 # starts the other way: the rule must turn it
     calls = Counter()
 
     def guesses(layer, hidden_states):
@@ -100,7 +101,7 @@ def test_auto_reads_ahead_while_guesses_are_right_and_stops_when_they_are_wrong(
         calls[layer] += 1
         return list(chosen) if right else [e for e in range(6) if e not in chosen]
 
-    planner.likely_experts = guesses
+    lookahead.likely_experts = guesses
     out = model.generate(ids, **GENERATE)
     assert torch.equal(out, expected)             # exact whatever the guesses
     snap = hf_moe_offload.stats(model)
@@ -202,7 +203,6 @@ def test_simulated_policies_match_the_engine_on_a_recorded_trace(tiny_models):
 
 
 def test_payoff_trial_keeps_reading_only_when_it_lowers_the_stall():
-    from hf_moe_offload.runtime.schedule import PayoffTrial
 
     def run(trial, stall_off, stall_on, passes):
         reads, reading = [], trial.next_pass(None)

@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM
 import hf_moe_offload
 from hf_moe_offload.arch import get_arch
 from hf_moe_offload.arch.routing import RouterKind, RoutingUnsupportedError, replacement_output
-from hf_moe_offload.runtime.schedule import rank_experts
+from hf_moe_offload.runtime.lookahead_gate import rank_experts
 
 from conftest import token_inputs
 from test_families import FUSED, SKIP, tiny_config

@@ -9,7 +9,7 @@ import torch
 import hf_moe_offload
 from hf_moe_offload.arch import SlabLayout
 from hf_moe_offload.memory.cache import ExpertCache
-from hf_moe_offload.runtime.schedule import StreamPlanner
+from hf_moe_offload.runtime.pass_scheduler import PassScheduler
 from hf_moe_offload.stats import OffloadStats
 from hf_moe_offload.storage.store import ExpertStore
 from conftest import FAMILIES, model_class, offloaded, reference, token_inputs
@@ -140,7 +140,7 @@ def test_streamed_batches_give_the_unpatched_tokens_within_budget(tiny_models, f
     expected = reference(family, tiny_models[family]).generate(ids, **kwargs)
     model = offloaded(family, tiny_models[family], device="cpu", store="disk", expert_cache="50%")
     engine = hf_moe_offload.get_engine(model)
-    planner = next(h for h in engine.hooks if isinstance(h, StreamPlanner))
+    planner = next(h for h in engine.hooks if isinstance(h, PassScheduler))
     planner.window = window
     observed = []
 
@@ -230,7 +230,7 @@ def test_a_prefill_with_many_rows_per_expert_streams_exactly_within_its_window(t
     doubled there, when a read waited for an expert's compute to end; docs/benchmarks.md), exact, within budget."""
     model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%")
     engine = hf_moe_offload.get_engine(model)
-    planner = next(h for h in engine.hooks if isinstance(h, StreamPlanner))
+    planner = next(h for h in engine.hooks if isinstance(h, PassScheduler))
     windows = []
     begin = engine.cache.begin_pass
     engine.cache.begin_pass = lambda window, ahead_room=None: (windows.append(window), begin(window, ahead_room))[1]

@@ -67,9 +67,9 @@ class RoutingRecorder(LayerHook):
 
     def bind(self, engine) -> "RoutingRecorder":
         """Find the engine's schedule planner (for `predictions`); returns self."""
-        from ..runtime.schedule import StreamPlanner
+        from ..runtime.pass_scheduler import PassScheduler
 
-        self._planner = next((h for h in engine.hooks if isinstance(h, StreamPlanner)), None)
+        self._planner = next((h for h in engine.hooks if isinstance(h, PassScheduler)), None)
         if self.predictions and self._planner is None:
             raise ValueError("RoutingRecorder(predictions=True) needs an engine with a schedule planner (an engine "
                              "whose cache is not zero-copy: store='disk', or a CUDA device)")
@@ -80,10 +80,10 @@ class RoutingRecorder(LayerHook):
             return
         nxt = layer
         for _ in range(self.depth):
-            nxt = self._planner.next_in_stack.get(nxt)
+            nxt = self._planner.layers[nxt].next
             if nxt is None:
                 return
-            self.trace.append(("predict", nxt, tuple(self._planner.likely_experts(nxt, hidden_states))))
+            self.trace.append(("predict", nxt, tuple(self._planner.lookahead.likely_experts(nxt, hidden_states))))
 
     def on_route(self, layer: int, experts: Sequence[int]) -> None:
         self.trace.append(("route", layer, tuple(int(e) for e in experts)))

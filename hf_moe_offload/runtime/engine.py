@@ -24,7 +24,7 @@ from ..memory.cache_group import CacheGroup, DevicePlan, build_cache_group
 from ..hooks import HookHandle, LayerHook
 from ..layout import MoELayer
 from ..policy.offload_policy import OffloadPolicy, PolicyError
-from .schedule import StreamPlanner
+from .pass_scheduler import PassScheduler
 from ..stats import OffloadStats, StatsSnapshot
 from ..storage.store import ExpertStore
 
@@ -123,7 +123,7 @@ class OffloadEngine:
             raise
         engine = cls(model, policy, arch, layers, store, cache, stats, restore_to, moved_resident_from, devices)
         if not cache.zero_copy:
-            engine.add_hook(StreamPlanner(engine))     # per-pass schedule: on demand, or streamed in forward order
+            engine.add_hook(PassScheduler(engine))     # per-pass schedule: on demand, or streamed in forward order
         for layer, runtime in zip(layers, engine.runtimes):
             arch.attach(model, layer, runtime)
         if int(policy.micro_batches) > 1:         # resolved: "auto" is a number by now
