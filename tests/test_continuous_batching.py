@@ -15,8 +15,9 @@ from transformers.generation.continuous_batching.requests import RequestStatus
 import hf_moe_offload
 from conftest import generate_each, offloaded, prompt_ids, reference
 from hf_moe_offload.batching import config as batching
-from hf_moe_offload.batching.config import coverage_tokens, experts_touched, offload_batching_config, token_budget
+from hf_moe_offload.batching.config import coverage_tokens, offload_batching_config, token_budget
 from hf_moe_offload.batching.pass_costs import PassCosts, measure_pass_costs
+from hf_moe_offload.runtime.pass_scheduler import expected_experts
 
 FAMILIES = ["mixtral", "qwen3_moe"]
 POLICIES = {
@@ -114,9 +115,9 @@ def test_fifo_is_decode_maximal_and_prefill_first_is_not(tiny_models, monkeypatc
 
 
 def test_experts_touched_and_coverage_floor():
-    assert experts_touched(8, 2, 1) == pytest.approx(2)
-    assert experts_touched(8, 2, coverage_tokens(8, 2)) >= 0.99 * 8
-    assert experts_touched(8, 2, coverage_tokens(8, 2) - 1) < 0.99 * 8
+    assert expected_experts(1, 8, 2) == pytest.approx(2)
+    assert expected_experts(coverage_tokens(8, 2), 8, 2) >= 0.99 * 8
+    assert expected_experts(coverage_tokens(8, 2) - 1, 8, 2) < 0.99 * 8
     assert coverage_tokens(4, 4) == 1
 
 

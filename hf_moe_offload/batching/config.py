@@ -87,18 +87,9 @@ class TokenBudget:
     holds_every_request: bool = False      # a call's requests all fit at their longest: no free-block margin needed
 
 
-def experts_touched(num_experts: int, top_k: int, tokens: int) -> float:
-    """Expected number of a layer's experts that a pass of `tokens` tokens routes to (uniform routing).
-
-    Example:
-        >>> round(experts_touched(8, 2, 1), 3), round(experts_touched(8, 2, 16), 2)
-        (2.0, 7.92)
-    """
-    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
-
-
 def coverage_tokens(num_experts: int, top_k: int, coverage: float = COVERAGE) -> int:
-    """The fewest tokens at which a pass touches `coverage` of a layer's experts (`experts_touched`).
+    """The fewest tokens at which a pass touches `coverage` of a layer's experts (the inverse of
+    `runtime.pass_scheduler.expected_experts`).
 
     Example:
         >>> coverage_tokens(8, 2), coverage_tokens(128, 8), coverage_tokens(4, 4)
