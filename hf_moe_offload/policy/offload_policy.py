@@ -57,6 +57,11 @@ ALLOWED_SIZES = ("allowed: a whole number of bytes >= 0 (an int), a size such as
                  "(rounded down to whole bytes), a share of all expert bytes from '0%' to '100%', or 'auto'")
 
 
+def _quoted(*names: str) -> str:
+    """Allowed names as the docs show them (the policy table's "values" column)."""
+    return ", ".join(f'"{name}"' for name in names)
+
+
 class PolicyError(ValueError):
     """A policy key, name or value is not allowed; the message lists what is."""
 
@@ -73,17 +78,23 @@ class OffloadPolicy:
 
     device: str = field(
         default=AUTO,
-        metadata={"help": 'Where non-expert weights live and compute runs: "cuda:N", "cpu" or "auto" '
+        metadata={"short": "Where non-expert weights live and compute runs; auto: the first CUDA GPU, else CPU",
+                  "values": _quoted(AUTO, "cpu", "cuda:N"),
+                  "help": 'Where non-expert weights live and compute runs: "cuda:N", "cpu" or "auto" '
                           "(the first CUDA GPU, else the CPU)."},
     )
     store: str = field(
         default=AUTO,
-        metadata={"help": '"cpu": experts in host memory (pinned when the device is CUDA); "disk": experts stay in '
+        metadata={"short": "Experts in (pinned) host memory, or read per expert from the checkpoint's files",
+                  "values": _quoted(AUTO, *STORES),
+                  "help": '"cpu": experts in host memory (pinned when the device is CUDA); "disk": experts stay in '
                           'the checkpoint\'s safetensors files and are read per expert on demand; "auto".'},
     )
     expert_cache: int | str = field(
         default=AUTO,
-        metadata={"help": 'Device bytes for resident experts: an int, a size ("512MiB", "6GiB"), a share of all '
+        metadata={"short": "Device bytes for resident experts; auto: what is left after the rest and the KV cache",
+                  "values": 'bytes, "6GiB", "25%", "auto"',
+                  "help": 'Device bytes for resident experts: an int, a size ("512MiB", "6GiB"), a share of all '
                           'expert bytes ("25%", at most "100%"), or "auto" (device memory left after the resident '
                           'part, the KV cache and activations; see max_batch_size, max_seq_len). A size above all '
                           'expert bytes is capped to them. With device and store on the CPU, experts are used in '
@@ -91,7 +102,9 @@ class OffloadPolicy:
     )
     eviction: str = field(
         default="layer",
-        metadata={"help": 'Which resident expert leaves when a slot is needed: "lru", "lfu", "layer" (the one '
+        metadata={"short": "Which resident expert leaves when a slot is needed",
+                  "values": _quoted(*EVICTIONS),
+                  "help": 'Which resident expert leaves when a slot is needed: "lru", "lfu", "layer" (the one '
                           "whose layer comes up last in the forward order; best when decode cycles through layers), "
                           'or "lookahead" (the one whose next use is predicted furthest away: the next routers '
                           "applied to the current input for this pass, the last step's routing for the next). "
@@ -99,7 +112,9 @@ class OffloadPolicy:
     )
     prefetch: str = field(
         default=AUTO,
-        metadata={"help": '"auto" (default): in few-token passes, read the next layer\'s router look-ahead guesses '
+        metadata={"short": "Read experts ahead: router look-ahead (auto: while it pays) or a hash predictor",
+                  "values": _quoted(*PREFETCHERS),
+                  "help": '"auto" (default): in few-token passes, read the next layer\'s router look-ahead guesses '
                           "ahead only while their measured precision is above the break-even (wasted reads cost "
                           'bytes); "none"; "hash": a SiDA hash predictor (see `predictor`) names each layer\'s experts '
                           'before the forward reaches it, and they are loaded ahead; "lookahead": always read the '
@@ -108,41 +123,55 @@ class OffloadPolicy:
     )
     predictor: str | None = field(
         default=None,
-        metadata={"help": "A directory or Hub repo id of a predictor trained by `hf-moe-offload train-hash` "
+        metadata={"short": "A predictor trained by `hf-moe-offload train-hash`, for prefetch='hash'",
+                  "values": 'a directory or Hub repo id',
+                  "help": "A directory or Hub repo id of a predictor trained by `hf-moe-offload train-hash` "
                           "(needed by prefetch='hash' and routing='predicted')."},
     )
     routing: str = field(
         default="router",
-        metadata={"help": '"router" (exact), or "predicted": SiDA\'s serving mode, the predictor\'s experts and '
+        metadata={"short": "predicted: the predictor's experts replace the router (SiDA; approximate)",
+                  "values": _quoted(*ROUTINGS),
+                  "help": '"router" (exact), or "predicted": SiDA\'s serving mode, the predictor\'s experts and '
                           "scale factors replace the router (approximate, opt-in)."},
     )
     max_batch_size: int | str = field(
         default=AUTO,
-        metadata={"help": 'Most sequences run at once (generate batch), a hint for expert_cache="auto": the device '
+        metadata={"short": "Hint for expert_cache='auto': sequences run at once; auto: 1",
+                  "values": '"auto", an int >= 1',
+                  "help": 'Most sequences run at once (generate batch), a hint for expert_cache="auto": the device '
                           'memory left to the KV cache and activations grows with it; "auto": 1.'},
     )
     max_seq_len: int | str = field(
         default=AUTO,
-        metadata={"help": 'Longest sequence (prompt + new tokens), a hint for expert_cache="auto" like '
+        metadata={"short": "Hint for expert_cache='auto': longest prompt + new tokens",
+                  "values": '"auto", an int >= 1',
+                  "help": 'Longest sequence (prompt + new tokens), a hint for expert_cache="auto" like '
                           'max_batch_size; "auto": the model\'s max_position_embeddings, at most '
                           f'{DEFAULT_MAX_SEQ_LEN}.'},
     )
 
     schedule: str = field(
         default=AUTO,
-        metadata={"help": 'How a forward pass brings its experts: "on_demand" (each layer fetches what its router '
+        metadata={"short": "Per pass: fetch routed experts on demand, or stream them in forward order",
+                  "values": _quoted(*SCHEDULES),
+                  "help": 'How a forward pass brings its experts: "on_demand" (each layer fetches what its router '
                           'picked), "stream" (forward order through a small window of slots, the next layer read '
                           'ahead, the rest of the cache a stable resident set), or "auto": stream the passes expected '
                           "to touch at least half of a layer's experts (prefill, batches of 8+). Exact either way."},
     )
     stream_window: int | str = field(
         default=AUTO,
-        metadata={"help": "Slots a streamed layer may have loading or landed-unused at once (the rest keep resident "
+        metadata={"short": "Slots a streamed layer may have loading at once; auto: " f"{DEFAULT_STREAM_WINDOW}",
+                  "values": '"auto", an int >= 1',
+                  "help": "Slots a streamed layer may have loading or landed-unused at once (the rest keep resident "
                           f'experts); "auto": {DEFAULT_STREAM_WINDOW}.'},
     )
     micro_batches: int | str = field(
         default=AUTO,
-        metadata={"help": "Each decoder layer with offloaded experts runs its batch as this many slices, one after "
+        metadata={"short": "Slices per layer call, each expert read once for all of them; auto: 1 (off)",
+                  "values": '"auto", an int >= 1',
+                  "help": "Each decoder layer with offloaded experts runs its batch as this many slices, one after "
                           "the other, and keeps the layer's experts on the device until the last slice has used "
                           "them: every expert is read once per pass and serves every slice (FlexGen's zig-zag, "
                           "Klotski's multi-batch, MoE-Lightning's CGOPipe). On a GPU with attention='cpu', one "
@@ -153,26 +182,34 @@ class OffloadPolicy:
 
     quantize: str = field(
         default="none",
-        metadata={"help": 'Experts stored, moved and computed quantized (approximate, opt-in): "none" (exact), '
+        metadata={"short": "Experts stored, moved and computed as int8 or int4 (approximate, opt-in)",
+                  "values": _quoted(*QUANTIZATIONS),
+                  "help": 'Experts stored, moved and computed quantized (approximate, opt-in): "none" (exact), '
                           '"int8" (one scale per output channel) or "int4" (one scale and zero per group of '
                           "quant_group_size input weights). Fewer bytes per expert: more experts fit the cache and "
                           "each miss reads less."},
     )
     quant_group_size: int | str = field(
         default=AUTO,
-        metadata={"help": f'Input weights sharing one int4 scale: 32, 64, 128 or 256; "auto": '
+        metadata={"short": "int4 input weights per scale and zero; auto: " f"{DEFAULT_INT4_GROUP_SIZE}",
+                  "values": '"auto", 32, 64, 128, 256',
+                  "help": f'Input weights sharing one int4 scale: 32, 64, 128 or 256; "auto": '
                           f"{DEFAULT_INT4_GROUP_SIZE}."},
     )
     expert_compute: str = field(
         default="device",
-        metadata={"help": 'Where an expert that is not resident on the device computes: "device" (copy it there), '
+        metadata={"short": "Where a non-resident expert computes: copied to the device, or on the CPU",
+                  "values": _quoted(*EXPERT_COMPUTES),
+                  "help": 'Where an expert that is not resident on the device computes: "device" (copy it there), '
                           '"cpu" (compute it from the host copy, only the tokens move; Fiddler, llama.cpp '
                           '--cpu-moe) or "auto" (per expert and step, whichever the measured bandwidth and CPU '
                           "throughput say is faster: few tokens on the CPU, many copied)."},
     )
     attention: str = field(
         default=AUTO,
-        metadata={"help": 'Where attention runs and its KV cache lives: "device" (the model\'s own attention '
+        metadata={"short": "Where attention runs and the KV cache lives; auto: cpu when the KV cache won't fit",
+                  "values": _quoted(*ATTENTIONS),
+                  "help": 'Where attention runs and its KV cache lives: "device" (the model\'s own attention '
                           'implementation, KV cache on the device), "cpu" (MoE-Lightning, FlexGen: keys and values '
                           "in (pinned) host memory, attention on the CPU, only the query and output cross PCIe; the "
                           "batch is then limited by host memory, not device memory; decoder-only models; "
@@ -182,7 +219,9 @@ class OffloadPolicy:
     )
     resident_layers: int | str = field(
         default=0,
-        metadata={"help": "The experts of the first N MoE layers stay on the device for the whole run and are "
+        metadata={"short": "Experts of the first N MoE layers stay on the device, never evicted",
+                  "values": 'an int >= 0',
+                  "help": "The experts of the first N MoE layers stay on the device for the whole run and are "
                           "never evicted (llama.cpp's split; with expert_compute='cpu' the other layers compute on "
                           "the CPU); 0: none."},
     )
