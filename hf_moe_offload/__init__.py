@@ -16,7 +16,7 @@ from .batching.config import offload_batching_config
 from .storage.checkpoint import CheckpointError
 from .runtime.engine import get_engine
 from .hooks import LayerHook
-from .loading.load import disable, enable
+from .loading.enable import disable, enable
 from .loading.patch import from_pretrained, install
 from .policy.offload_policy import OffloadPolicy, PolicyError
 from .stats import StatsSnapshot
@@ -34,11 +34,7 @@ def stats(model) -> StatsSnapshot:
     engine = get_engine(model)
     if engine is None:
         raise PolicyError("this model is not offloaded by hf_moe_offload (no stats)")
-    from .planning.planner import plan_stats
-
-    snapshot = engine.stats_snapshot()
-    snapshot.update(plan_stats(engine))   # the auto plan's predicted tok/s beside snapshot["measured"]
-    return snapshot
+    return engine.stats_snapshot()
 
 
 install()

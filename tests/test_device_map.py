@@ -118,7 +118,7 @@ def _watch_allocations(monkeypatch) -> list:
     import hf_moe_offload.loading.load as loading
 
     calls = []
-    monkeypatch.setattr(loading, "_experts_left_unread", lambda: calls.append("load") or pytest.fail("loaded"))
+    monkeypatch.setattr(loading, "experts_left_unread", lambda: calls.append("load") or pytest.fail("loaded"))
     monkeypatch.setattr(ExpertCache, "__init__", lambda *a, **k: calls.append("cache"))
     return calls
 

@@ -43,7 +43,7 @@ import torch
 from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, footprint
 from ..policy.offload_policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
 from .profile import MachineProfile
-from ..runtime.schedule import STREAM_SHARE, expected_experts
+from ..runtime.pass_scheduler import expected_experts, is_wide_pass
 
 logger = logging.getLogger(__name__)
 
@@ -401,8 +401,7 @@ def candidates(shape: ModelShape, device: str, batch: int, prompt_len: int, budg
     attentions = ("device", "cpu") if device == "cuda" else ("device",)
 
     def schedules(tokens: int) -> tuple[str, ...]:
-        wide = expected_experts(tokens, shape.experts, shape.top_k) >= STREAM_SHARE * shape.experts
-        return ("on_demand", "stream") if wide else ("on_demand",)
+        return ("on_demand", "stream") if is_wide_pass(tokens, shape.top_k, shape.experts) else ("on_demand",)
 
     out = []
     for m in micro:
@@ -476,145 +475,3 @@ def _smallest_budget(shape: ModelShape, device: str, batch: int, prompt_len: int
         cand = Candidate("on_demand", "on_demand", 0.0, prompt_len, attn)
         needs.append(memory_needed(shape, cand, device, batch, prompt_len, gen_len)[0])
     return min(needs)
-
-
-# ------------------------------------------------------------------------------------------- offload_policy="auto"
-
-# Resolved policies the planner chose for, by id (OffloadPolicy is unhashable): stats(model)["plan"] reads them.
-_PLANS: dict[int, tuple[Any, dict[str, Any]]] = {}
-
-
-def shape_from_footprint(fp: Footprint, dtype_bytes: int = 2) -> ModelShape:
-    """A `ModelShape` from a `Footprint` alone (what `auto.resolve` has; no config): expert bytes, layers, top-k and
-    KV bytes are exact; the rest are documented estimates that only move small terms: the hidden size from an
-    expert of Mixtral's proportions (3 x hidden x 3.5 hidden weights), the non-expert weights split evenly over the
-    layers plus two more for the embeddings and the LM head, heads of 128.
-
-    Example:
-        >>> fp = Footprint(expert_bytes=64 * 22020096, slab_bytes=22020096, resident_bytes=181569536, top_k=2,
-        ...                kv_bytes_per_token=32768, layer_experts=(8,) * 8)
-        >>> s = shape_from_footprint(fp); s.hidden, s.layers, s.experts
-        (1024, 8, 8)
-    """
-    layers = len(fp.layer_experts) or 1
-    experts = max(fp.layer_experts) if fp.layer_experts else max(1, fp.expert_bytes // max(fp.slab_bytes, 1))
-    expert_params = fp.slab_bytes / dtype_bytes
-    hidden = max(1, round(math.sqrt(expert_params / 10.5)))
-    resident_params = fp.resident_bytes // dtype_bytes
-    head_dim = min(128, hidden)
-    return ModelShape(layers=layers, experts=experts, top_k=fp.top_k, expert_bytes=fp.slab_bytes,
-                      dtype_bytes=dtype_bytes, dense_params_per_layer=resident_params // (layers + 2),
-                      head_params=resident_params // (layers + 2), heads=max(1, hidden // head_dim),
-                      head_dim=head_dim, kv_bytes_per_token=fp.kv_bytes_per_token,
-                      activation_bytes_per_token=fp.activation_bytes_per_token, resident_bytes=fp.resident_bytes,
-                      hidden=hidden)
-
-
-def plan_for_policy(policy: Any, resolved: Any, fp: Footprint, profile: MachineProfile | None = None) -> Any:
-    """`offload_policy="auto"`'s planner step (called by `auto.resolve`): with this machine's cached profile, choose
-    the performance fields the user left "auto" (`schedule`, `stream_window`) for the policy's job
-    (`max_batch_size` sequences, half of `max_seq_len` prompt, half new tokens) within the memory rule's budget
-    (its `expert_cache` stays; a streamed pass's window comes out of it), and log one INFO line: the schedule
-    picked, the predicted tok/s and the binding resource. No profile cached: today's rule stays, and the line says
-    so and suggests `hf-moe-offload profile` (nothing is measured at load). Exact either way: only performance
-    fields change. `stats(model)["plan"]` shows the prediction beside `stats(model)["measured"]`.
-
-    Example:
-        >>> from hf_moe_offload.policy.offload_policy import OffloadPolicy
-        >>> from hf_moe_offload.planning.profile import load_profile
-        >>> fp = Footprint(expert_bytes=64 * 22020096, slab_bytes=22020096, resident_bytes=181569536, top_k=2,
-        ...                kv_bytes_per_token=32768, layer_experts=(8,) * 8)
-        >>> given = OffloadPolicy(device="cpu", store="disk", expert_cache="25%", max_batch_size=32, max_seq_len=80)
-        >>> done = dataclasses.replace(given, expert_cache=16 * 22020096, stream_window=2)
-        >>> planned = plan_for_policy(given, done, fp, load_profile("t4"))   # the T4 machine's host side
-        >>> planned.schedule, planned.stream_window in STREAM_WINDOWS    # both phases stream: the engine's rule
-        ('auto', True)
-    """
-    from ..policy.offload_policy import AUTO
-    from .profile import ProfileError, default_profile_path, load_profile as _load
-
-    free = [f for f in ("schedule", "stream_window") if getattr(policy, f) == AUTO]
-    if profile is None:
-        try:
-            profile = _load(None)
-        except ProfileError as err:
-            logger.info("hf_moe_offload auto plan: no usable machine profile (%s); schedule=%s stream_window=%s by "
-                        "today's rule (stream passes expected to touch half a layer's experts, window %d). Run "
-                        "`hf-moe-offload profile` once (a few seconds, saved to %s) to let the planner choose",
-                        str(err).split(";")[0], resolved.schedule, resolved.stream_window, DEFAULT_STREAM_WINDOW,
-                        default_profile_path())
-            return resolved
-    device = "cuda" if str(resolved.device).startswith("cuda") else "cpu"
-    if device == "cpu" and profile.has_device:   # plan the CPU side of a GPU machine's profile
-        profile = dataclasses.replace(profile, h2d_bytes_per_s=None, device_flops=None, device_memory_bytes=None,
-                                      device_memory_bytes_per_s=None, device_name=None)
-    if device == "cuda" and not profile.has_device:
-        logger.info("hf_moe_offload auto plan: the cached profile %r has no GPU numbers; schedule and stream_window "
-                    "by today's rule (re-run `hf-moe-offload profile` on this GPU machine)", profile.name)
-        return resolved
-    shape = shape_from_footprint(fp)
-    batch, seq = int(resolved.max_batch_size), int(resolved.max_seq_len)
-    prompt_len, gen_len = max(1, seq // 2), max(1, seq - seq // 2)
-    zero_copy = device == "cpu" and resolved.store == "cpu"
-    share = 1.0 if zero_copy else min(1.0, int(resolved.expert_cache) / max(1, shape.all_expert_bytes))
-    slots = int(resolved.expert_cache) // max(1, shape.expert_bytes)
-
-    def options(tokens: int, field_value: str) -> tuple[str, ...]:
-        wide = expected_experts(tokens, shape.experts, shape.top_k) >= STREAM_SHARE * shape.experts
-        rule = "stream" if wide else "on_demand"
-        if "schedule" not in free:
-            return (rule,) if field_value == AUTO else (field_value,)
-        return ("on_demand", "stream") if wide else (rule,)
-
-    windows = STREAM_WINDOWS if "stream_window" in free else (int(resolved.stream_window),)
-    best = None
-    for pre in options(batch * prompt_len, policy.schedule):
-        for dec in options(batch, policy.schedule):
-            for window in (windows if "stream" in (pre, dec) else (int(resolved.stream_window),)):
-                if "stream" in (pre, dec) and not zero_copy and slots < window + shape.top_k:
-                    continue   # the cache cannot give the window up and still hold a layer's top-k
-                cand = Candidate(pre, dec, share, batch * prompt_len, resolved.attention, window)
-                result = predict(shape, profile, cand, device, resolved.store, batch, prompt_len, gen_len)
-                if best is None or result[2] > best[1][2]:
-                    best = (cand, result)
-    if best is None:
-        return resolved
-    cand, (pre_tok_s, dec_tok_s, overall, binding) = best
-    changes: dict[str, Any] = {}
-    if "schedule" in free:
-        wide = {n: expected_experts(n, shape.experts, shape.top_k) >= STREAM_SHARE * shape.experts
-                for n in (batch * prompt_len, batch)}
-        follows_rule = (cand.prefill_schedule == ("stream" if wide[batch * prompt_len] else "on_demand")
-                        and cand.decode_schedule == ("stream" if wide[batch] else "on_demand"))
-        if not follows_rule and cand.prefill_schedule == cand.decode_schedule:
-            changes["schedule"] = cand.prefill_schedule
-    if "stream_window" in free and "stream" in (cand.prefill_schedule, cand.decode_schedule):
-        changes["stream_window"] = cand.stream_window
-    planned = dataclasses.replace(resolved, **changes)
-    summary = {"profile": profile.name, "schedule": f"prefill {cand.prefill_schedule}, decode {cand.decode_schedule}",
-               "policy_fields": {"schedule": planned.schedule, "stream_window": planned.stream_window},
-               "job": {"batch": batch, "prompt_len": prompt_len, "gen_len": gen_len},
-               "predicted_prefill_tok_s": pre_tok_s, "predicted_decode_tok_s": dec_tok_s,
-               "predicted_tok_s": overall, "binding": binding}
-    while len(_PLANS) >= 64:   # a long-lived process loading many models: drop the oldest plans
-        del _PLANS[next(iter(_PLANS))]
-    _PLANS[id(planned)] = (planned, summary)
-    logger.info("hf_moe_offload auto plan: schedule=%s (prefill %s, decode %s) stream_window=%s for batch %d x %d "
-                "prompt + %d new tokens; predicted prefill %.1f tok/s, decode %.1f tok/s; bound by %s (profile %s)",
-                planned.schedule, cand.prefill_schedule, cand.decode_schedule, planned.stream_window, batch,
-                prompt_len, gen_len, pre_tok_s, dec_tok_s, binding, profile.name)
-    return planned
-
-
-def plan_stats(engine: Any) -> dict[str, Any]:
-    """`{"plan": ...}` for `stats(model)`: the auto plan's prediction beside the measured tokens/s per schedule
-    (empty when no plan was made for this model's policy).
-
-    Example:
-        >>> plan_stats(None)
-        {}
-    """
-    entry = _PLANS.get(id(getattr(engine, "policy", None)))
-    if entry is None or entry[0] is not engine.policy:
-        return {}
-    return {"plan": dict(entry[1])}

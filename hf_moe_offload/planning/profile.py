@@ -429,7 +429,7 @@ def _expert_curve(hidden: int, dtype: torch.dtype, rows_list: tuple[int, ...], c
 
         run()   # warm-up
         curve[str(rows)] = best_rate(2.0 * 3 * rows * hidden * inter * count, run, seconds)
-        del experts
+        experts.clear()   # free these weights before the next row count's are allocated
     return curve
 
 
@@ -501,7 +501,6 @@ def _device_numbers(dev: torch.device, nbytes: int, hidden: int, seconds: float)
     h2d_rate = best_rate(nbytes, h2d, seconds)
     mem_rate = best_rate(2 * nbytes, d2d, seconds)
     flops = _matmul_flops(max(4096, hidden), 4 * hidden, torch.bfloat16, str(dev), seconds)
-    del pinned, on_dev, other
     return {"h2d_bytes_per_s": h2d_rate, "device_flops": flops, "device_memory_bytes_per_s": mem_rate,
             "device_memory_bytes": torch.cuda.get_device_properties(dev).total_memory,
             "device_name": torch.cuda.get_device_name(dev)}

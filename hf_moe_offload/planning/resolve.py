@@ -22,15 +22,19 @@ from ..policy.offload_policy import (AUTO, DEFAULT_STREAM_WINDOW, OffloadPolicy,
                                      normalize_device, parse_size)
 from .footprint import (CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, auto_device, free_bytes, headroom_bytes,
                         workload)
-from .planner import plan_for_policy
+from .auto_plan import plan_for_policy
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class ResolvedPolicy:
-    policy: OffloadPolicy     # every field concrete (no "auto")
+    """A policy with every field concrete (no "auto"), its cache budget in bytes, and the auto plan's summary
+    (`stats(model)["plan"]`; None when the planner made none)."""
+
+    policy: OffloadPolicy
     cache_bytes: int
+    plan: dict[str, Any] | None = None
 
 
 def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
@@ -65,13 +69,13 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     resolved = dataclasses.replace(policy, device=str(device), store=store, expert_cache=cache,
                                    max_batch_size=batch, max_seq_len=seq_len, stream_window=window,
                                    attention=attention, micro_batches=micro_batches)
-    resolved = plan_for_policy(policy, resolved, fp)
+    resolved, plan = plan_for_policy(policy, resolved, fp)
     if auto_fields:
         logger.info("hf_moe_offload auto policy: device=%s store=%s%s expert_cache=%s (experts %s, resident part "
                     "%s, RAM available %s)", device, store, why_store, format_bytes(cache),
                     format_bytes(fp.expert_bytes), format_bytes(fp.resident_bytes),
                     format_bytes(psutil.virtual_memory().available))
-    return ResolvedPolicy(resolved, cache)
+    return ResolvedPolicy(resolved, cache, plan)
 
 
 def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, store: str, cache_bytes: int, zero_copy: bool,

@@ -89,6 +89,7 @@ class OffloadEngine:
         self.runtimes = [LayerRuntime(self, layer) for layer in layers]
         self.hooks: list[LayerHook] = []
         self.prefetcher = None    # the HashPrefetcher hook when the policy names a predictor
+        self.plan: dict | None = None   # the auto plan's prediction (`stats()["plan"]`), set by whoever resolved it
         self._state_dict_hooks: list = []
         self.on_detach: list[Callable[[], None]] = []   # clean-ups owned by whoever attached (e.g. a spill dir)
         self.micro_batched: microbatch.MicroBatchedLayers | None = None   # policy.micro_batches > 1
@@ -156,6 +157,8 @@ class OffloadEngine:
         data = dict(self.stats.snapshot())
         for hook in self.hooks:
             data.update(hook.stats())
+        if self.plan is not None:   # the plan's predicted tok/s beside data["measured"]
+            data["plan"] = dict(self.plan)
         return StatsSnapshot(data, self.reset_stats)
 
     def reset_stats(self) -> None:

@@ -1,0 +1,59 @@
+"""The steps every way of offloading shares (`from_pretrained` and `enable`): refusing CPU attention early, loading
+the policy's predictor, and what is attached after the engine (predictor hook, CPU attention, batching defaults,
+the auto plan's summary), each undone by `disable()`."""
+
+from __future__ import annotations
+
+from torch import nn
+from transformers import PreTrainedModel
+
+from ..attention.cpu import check_cpu_attention, cpu_attention_enabled, restore_attention, use_cpu_attention
+from ..batching.config import install_batching_defaults
+from ..planning.resolve import ResolvedPolicy
+from ..policy.offload_policy import OffloadPolicy
+from ..prefetch.hash import HashPredictor
+from ..prefetch.hash import HashPrefetcher
+from ..runtime.engine import OffloadEngine
+
+
+def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: ResolvedPolicy,
+                      predictor: HashPredictor | None) -> PreTrainedModel:
+    """Attach what rides on the engine: the plan summary, the predictor's hook, CPU attention, batching defaults."""
+    engine.plan = resolved.plan
+    if predictor is not None:
+        engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
+    _apply_attention(model, engine)
+    _apply_batching(model, engine)
+    return model
+
+
+def check_attention(policy: OffloadPolicy, model: nn.Module) -> None:
+    """attention="cpu" on a model it cannot serve is refused before anything is loaded or allocated."""
+    if policy.attention == "cpu":
+        check_cpu_attention(model)
+
+def _apply_attention(model: PreTrainedModel, engine: OffloadEngine) -> None:
+    """attention="cpu": CPU attention against a host KV cache, undone by `disable()` (the engine's on_detach)."""
+    if engine.policy.attention != "cpu":
+        return
+    if cpu_attention_enabled(model):      # the user turned it on already: theirs to undo
+        return
+    try:
+        use_cpu_attention(model)
+    except BaseException:
+        engine.detach()                   # a refused model is left as it was before
+        raise
+    engine.on_detach.append(lambda: restore_attention(model))
+
+def _apply_batching(model: PreTrainedModel, engine: OffloadEngine) -> None:
+    """`generate_batch` without a ContinuousBatchingConfig sizes its token budget for offloading (`batching.config`),
+    undone by `disable()`."""
+    remove = install_batching_defaults(model)
+    if remove is not None:
+        engine.on_detach.append(remove)
+
+def load_predictor(policy: OffloadPolicy, model: nn.Module) -> HashPredictor | None:
+    """The policy's hash predictor, its files and fingerprint checked against `model` (a skeleton will do)."""
+    if not policy.predictor:
+        return None
+    return HashPredictor.load(policy.predictor, model=model, device="cpu")
