@@ -58,8 +58,7 @@ import hf_moe_offload  # noqa: E402  (adds the offload_policy keyword)
 from hf_moe_offload.runtime.engine import get_engine  # noqa: E402
 from hf_moe_offload.hooks import LayerHook  # noqa: E402
 from hf_moe_offload.loading.patch import auto_model_class  # noqa: E402
-from hf_moe_offload.prefetch.hash_predictor import HashPredictor, predicted_layers  # noqa: E402
-from hf_moe_offload.prefetch.hash_runner import LOOKAHEAD_LAYERS  # noqa: E402
+from hf_moe_offload.prefetch.hash import LOOKAHEAD_LAYERS, HashPredictor, predicted_layers  # noqa: E402
 from hf_moe_offload.training.train import evaluate_on_texts  # noqa: E402
 
 log = logging.getLogger("bench_prefetch")

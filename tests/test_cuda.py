@@ -146,7 +146,7 @@ def _wait_all(loads, timeout_s: float = 60.0) -> list[BaseException | None]:
 @pytest.fixture(scope="module")
 def predictor(tiny_models, tmp_path_factory):
     """An untrained hash predictor for the tiny Mixtral (behaviour, not accuracy, is under test)."""
-    from hf_moe_offload.prefetch.hash_predictor import HashPredictor
+    from hf_moe_offload.prefetch.hash import HashPredictor
 
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("predictor") / "mixtral"

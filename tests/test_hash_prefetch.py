@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hf_moe_offload
-from hf_moe_offload.prefetch.hash_predictor import HashPredictor, PredictorMismatchError
+from hf_moe_offload.prefetch.hash import HashPredictor, PredictorMismatchError
 from conftest import VOCAB, build_tiny, offloaded, reference
 
 
@@ -216,7 +216,7 @@ def test_configure_refuses_bad_values(tiny_models, predictors):
 
 
 def test_one_token_lstm_step_matches_nn_lstm_with_a_padded_row():
-    from hf_moe_offload.prefetch.hash_predictor import HashPredictorConfig
+    from hf_moe_offload.prefetch.hash import HashPredictorConfig
 
     torch.manual_seed(0)
     predictor = HashPredictor(HashPredictorConfig(model_type="mixtral", num_layers=2, layer_names=["a", "b"],
@@ -252,7 +252,7 @@ def test_decode_tables_come_from_the_greedy_guess_and_prefetch_the_first_layer(t
 
 
 def test_share_cap_bounds_the_prefetches_per_layer_and_pass(tiny_models, predictors):
-    from hf_moe_offload.prefetch.hash_runner import Prediction
+    from hf_moe_offload.prefetch.hash import Prediction
 
     def issued_for_a_sure_table(share_cap):
         _, engine, prefetcher = _hash_model(tiny_models, predictors, budget="100%")   # an empty cache

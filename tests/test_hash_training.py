@@ -15,9 +15,9 @@ from conftest import COMMON, build_tiny
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, LlamaConfig, LlamaForCausalLM, MixtralConfig
 
 from hf_moe_offload.arch import UnsupportedModelError
-from hf_moe_offload.prefetch.hash_predictor import (CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig,
-                                                    PredictorFileError, PredictorMismatchError, embed, fingerprint,
-                                                    predicted_layers, sparsemax)
+from hf_moe_offload.prefetch.hash import (CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig,
+                                          PredictorFileError, PredictorMismatchError, embed, fingerprint,
+                                          predicted_layers, sparsemax)
 from hf_moe_offload.training.routing_data import (DatasetFieldError, EmptyDatasetError, RoutingData,
                                                  collect_routing, load_text_dataset, rows_from_ids)
 from hf_moe_offload.training.train import (RoutingMetrics, TrainConfig, distillation_loss, evaluate,

@@ -1,7 +1,7 @@
 """Sharing a hash predictor like an adapter: save_pretrained / from_pretrained (directory or Hub repo id) /
 push_to_hub, one on-disk format, the checksum and fingerprint checks on every load path. Offline: the Hub is a
 populated cache directory or monkeypatched HfApi methods. Also the LSTM state of rows without a valid token (the
-host-sync change of F13 in hash_predictor.py)."""
+host-sync change of F13 in prefetch/hash/model.py)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ import torch
 from huggingface_hub import HfApi, constants
 
 import hf_moe_offload
-from hf_moe_offload.prefetch.hash_predictor import (CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HashPredictor,
-                                                    PredictorFileError, PredictorMismatchError,
-                                                    PredictorNotFoundError, embed)
+from hf_moe_offload.prefetch.hash import (CONFIG_NAME, MODEL_CARD_NAME, WEIGHTS_NAME, HashPredictor,
+                                          PredictorFileError, PredictorMismatchError,
+                                          PredictorNotFoundError, embed)
 from conftest import VOCAB, build_tiny, offloaded, reference
 
 REPO_ID = "someone/tiny-mixtral-hash"

@@ -4,7 +4,7 @@ Runs the model over a text corpus, records every token's router logits at every 
 tokens (the teacher), and trains the LSTM + sparse-attention hash function by truncated knowledge distillation.
 The predictor (predictor.safetensors + predictor_config.json with the model fingerprint, the training metrics and
 this command) is checkpointed after every epoch; load it with
-`hf_moe_offload.prefetch.hash_predictor.HashPredictor.load(out, model=model)`.
+`hf_moe_offload.prefetch.hash.HashPredictor.load(out, model=model)`.
 
 Example:
     $ hf-moe-offload train-hash --model PATH --dataset data.jsonl --text-field text --out predictor/ \\
@@ -42,7 +42,7 @@ import torch
 
 from ..arch import UnsupportedModelError, get_arch
 from ..policy.offload_policy import OffloadPolicy, PolicyError, normalize_device
-from ..prefetch.hash_predictor import HashPredictorConfig, PredictorFileError, PredictorMismatchError, fingerprint
+from ..prefetch.hash import HashPredictorConfig, PredictorFileError, PredictorMismatchError, fingerprint
 from .routing_data import (ROUTING_META, DatasetFieldError, EmptyDatasetError, RoutingData, collect_routing,
                            load_text_dataset, routing_bytes, tokenize_dataset)
 from .train import TrainConfig, check_out_dir, holds_checkpoint, train_predictor

@@ -30,7 +30,7 @@ from torch import nn
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
 from ..arch import get_arch
 from ..arch.routing import kind_of
-from ..prefetch.hash_predictor import fingerprint, predicted_layers, renormalizes_topk
+from ..prefetch.hash import fingerprint, predicted_layers, renormalizes_topk
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
-from ..prefetch.hash_predictor import CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig, embed
+from ..prefetch.hash import CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig, embed
 from .routing_data import (EmptyDatasetError, RoutingData, collect_routing, load_text_dataset, rows_from_ids,
                            tokenize_dataset)
 
