@@ -15,16 +15,13 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from ..storage.checkpoint import ByteRange, CheckpointError, CheckpointIndex
-from .forward import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
-                       weights_device)
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, checkpoint_key_candidates, \
-    register_arch, release_parameter, restore_parameter
+from .forward import MatmulSlabLayout, attach_runtime, matmul_refusal, run_routed_experts, runtime_of
+from . import ExpertFetcher, ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, \
+    checkpoint_key_candidates, register_arch, release_parameter, restore_parameter
 
 PARTS = ("w1", "v1", "w2")
 
@@ -45,12 +42,17 @@ def row_block(index: CheckpointIndex, key: str, start: int, rows: int) -> ByteRa
 class OffloadedDbrxExperts(nn.Module):
     """Stands in for `DbrxExperts` (same call) while its experts are offloaded."""
 
-    def __init__(self, original: nn.Module, runtime) -> None:
+    def __init__(self, original: nn.Module, runtime: ExpertFetcher) -> None:
         super().__init__()
         self.num_experts = original.num_experts
         self.hidden_size = original.hidden_size
         self.act = original.mlp.activation_fn
-        self.runtime = runtime
+        attach_runtime(self, runtime)
+
+    def expert(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`DbrxExpertGLU` with the expert's weights: x [n, H] -> [n, H]."""
+        h = self.act(x.matmul(w["w1"].T)) * x.matmul(w["v1"].T)       # [n, F]
+        return h.matmul(w["w2"])
 
     @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -58,20 +60,11 @@ class OffloadedDbrxExperts(nn.Module):
         # hidden_states [B, S, H] (or [T, H]); top_k_index, top_k_weights [T, k]. Output like DbrxExperts: [B, -1, H].
         batch = hidden_states.shape[0]
         x_all = hidden_states.reshape(-1, self.hidden_size)              # [T, H]
-        num_tokens, k = top_k_index.shape
-        flat_weights = top_k_weights.reshape(-1)                         # [T*k]
-        rows_of = group_by_expert(top_k_index.reshape(-1), self.num_experts)
-        tokens = [rows.numel() for rows in rows_of.values()]
-        with _expert_compute(), contextlib.closing(self.runtime.fetch(list(rows_of), x_all, tokens)) as fetched:
-            weighted = x_all.new_empty(num_tokens * k, self.hidden_size)     # [T*k, H], every row written
-            for expert, w in fetched:
-                rows = rows_of[expert]
-                x = x_all[rows // k].to(weights_device(w))                      # [n, H]
-                h = self.act(x.matmul(w["w1"].T)) * x.matmul(w["v1"].T)       # [n, F]
-                y = h.matmul(w["w2"]).to(weighted.device)                        # [n, H]
-                weighted[rows] = y * flat_weights[rows, None]
-            out = weighted.view(num_tokens, k, self.hidden_size).sum(dim=1).to(hidden_states.dtype)
-        return _refuse_backward(out, hidden_states).view(batch, -1, self.hidden_size)
+        # Summed in the model's dtype, not promoted with the routing weights': DbrxExperts adds into next_states
+        # of hidden_states' dtype.
+        out = run_routed_experts(runtime_of(self), x_all, top_k_index, self.num_experts, self.expert,
+                                 routing_weights=top_k_weights, out_dtype=x_all.dtype)
+        return out.view(batch, -1, self.hidden_size)
 
 
 class DbrxArch(SwappedExpertsChild, MoEArch):

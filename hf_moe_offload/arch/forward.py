@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from ..layout import SlabLayout
+from . import ExpertFetcher
 
 EXPERTS_IMPLEMENTATION = "hf_moe_offload"
 
@@ -91,6 +93,76 @@ def _refuse_backward(output: torch.Tensor, hidden_states: torch.Tensor) -> torch
     return output
 
 
+# The one name under which an offloaded experts module (transformers' own, or a swapped-in stand-in) holds the
+# runtime its forward fetches experts from.
+RUNTIME_ATTR = "_hf_moe_offload_runtime"
+
+
+def attach_runtime(module: nn.Module, runtime: ExpertFetcher) -> None:
+    """Give `module`'s offloaded forward the runtime to fetch its experts from (read back with `runtime_of`)."""
+    # object.__setattr__: a runtime is no submodule or parameter of the model, whatever its type.
+    object.__setattr__(module, RUNTIME_ATTR, runtime)
+
+
+def detach_runtime(module: nn.Module) -> None:
+    """Undo `attach_runtime` (nothing to do if none is attached)."""
+    module.__dict__.pop(RUNTIME_ATTR, None)
+
+
+def runtime_of(module: nn.Module) -> ExpertFetcher:
+    """The runtime `attach_runtime` gave `module`; raises if it has none (used outside hf_moe_offload)."""
+    runtime = module.__dict__.get(RUNTIME_ATTR)
+    if runtime is None:
+        raise RuntimeError(f"{type(module).__name__} has no offloaded weights attached; its offloaded forward is "
+                           f"only usable through hf_moe_offload")
+    return runtime
+
+
+# An expert's math: its input rows x [n, H] (already on the expert's device) and named weights -> rows [n, H].
+ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
+
+
+def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, routed_to: torch.Tensor,
+                       num_experts: int, expert_fn: ExpertFn, *, routing_weights: torch.Tensor | None = None,
+                       out_dtype: torch.dtype | None = None, layer_input: torch.Tensor | None = None
+                       ) -> torch.Tensor:
+    """The routed-experts loop of every offloaded forward; a family gives only its per-expert math, `expert_fn`.
+
+    `hidden_states` [T, H]; `routed_to` [T, k]: the expert of each token's k slots (-1: none). Only experts that
+    receive a row are fetched, resident first. Each (token, slot) row gets `expert_fn(x, weights)`, times its
+    `routing_weights` [T, k] if given, and the rows are summed over the k slots at the end, like transformers'
+    grouped_mm, so the order in which experts arrive does not change the numbers; a slot of no expert adds zero.
+    The sum is kept in `out_dtype` (default: `hidden_states` and `routing_weights` promoted); the result [T, H] is
+    in `hidden_states.dtype`. `layer_input` is what the runtime's hooks see as the layer's input (default
+    `hidden_states`). Backward through the result raises (`_NoBackwardThroughOffloadedExperts`).
+
+    Example:
+        >>> out = run_routed_experts(runtime, x, top_k_index, num_experts,                      # doctest: +SKIP
+        ...                          lambda x, w: F.linear(F.silu(F.linear(x, w["up"])), w["down"]),
+        ...                          routing_weights=top_k_weights)
+    """
+    num_tokens, hidden = hidden_states.shape                      # [T, H]
+    k = routed_to.shape[-1]
+    rows_of = group_by_expert(routed_to.reshape(-1), num_experts)   # {expert: its (token, slot) rows [n]}
+    row_weights = None if routing_weights is None else routing_weights.reshape(-1)   # [T*k]
+    if out_dtype is None:
+        out_dtype = hidden_states.dtype if row_weights is None else torch.promote_types(hidden_states.dtype,
+                                                                                        row_weights.dtype)
+    tokens = [rows.numel() for rows in rows_of.values()]          # what expert_compute="auto" weighs
+    shown = hidden_states if layer_input is None else layer_input
+    with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of), shown, tokens)) as fetched:
+        # Zeros only where some slot goes to no expert (Switch's capacity drops, Llama-4's unrouted experts).
+        make = hidden_states.new_empty if sum(tokens) == num_tokens * k else hidden_states.new_zeros
+        weighted = make(num_tokens * k, hidden, dtype=out_dtype)  # [T*k, H]
+        for expert, weights in fetched:
+            rows = rows_of[expert]                                # [n]
+            x = hidden_states[rows // k if k > 1 else rows]       # [n, H]
+            y = expert_fn(x.to(weights_device(weights)), weights).to(weighted.device)   # [n, H]
+            weighted[rows] = y if row_weights is None else y * row_weights[rows, None]
+        out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)   # [T, H]
+    return _refuse_backward(out, hidden_states)
+
+
 # Host-side decisions at every step: compiling it (static-cache generate auto-compiles on CUDA) would only recompile.
 @torch.compiler.disable
 def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -101,78 +173,31 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
     ([in, out], Aria) are used as `x @ W`, others through `F.linear`; without a gate (`has_gate=False`, Nemotron-H)
     the slab's `up` part goes through the module's `act_fn` alone instead of `_apply_gate`.
 
-    Results are written per (token, slot) and summed over the k slots at the end, like transformers' grouped_mm,
-    so the order in which experts arrive does not change the numbers.
+    hidden_states [T, H]; top_k_index, top_k_weights [T, k].
     """
-    runtime = getattr(self, "_hf_moe_offload", None)
-    if runtime is None:
-        raise RuntimeError(f"{type(self).__name__} has no offloaded weights attached; "
-                           f"experts_implementation={EXPERTS_IMPLEMENTATION!r} is only usable through hf_moe_offload")
-    num_tokens, hidden = hidden_states.shape                      # [T, H]
-    k = top_k_index.shape[-1]
-    flat_weights = top_k_weights.reshape(-1)                      # [T*k]
-    rows_of = group_by_expert(top_k_index.reshape(-1), self.num_experts)   # (token, slot) rows per expert
-
-    out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-    tokens = [rows.numel() for rows in rows_of.values()]          # what expert_compute="auto" weighs
-    gated = getattr(self, "has_gate", True)
+    runtime = runtime_of(self)
     project = _matmul if getattr(self, "is_transposed", False) else expert_linear
-    with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of), hidden_states, tokens)) as fetched:
-        weighted = hidden_states.new_empty(num_tokens * k, hidden, dtype=out_dtype)   # [T*k, H], every row written
-        for expert, weights in fetched:
-            rows = rows_of[expert]                                # [n] rows of this expert
-            x = hidden_states[rows // k]                          # [n, H]
-            where = weights_device(weights)
-            if gated:
-                h = self._apply_gate(project(x.to(where), weights["gate_up"]))   # [n, I]
-            else:
-                h = self.act_fn(project(x.to(where), weights["up"]))             # [n, I]
-            y = project(h, weights["down"]).to(weighted.device)                 # [n, H]
-            weighted[rows] = y * flat_weights[rows, None]
-        out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)   # [T, H]
-    return _refuse_backward(out, hidden_states)
+
+    if getattr(self, "has_gate", True):
+        def expert_fn(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+            return project(self._apply_gate(project(x, w["gate_up"])), w["down"])      # [n, I] -> [n, H]
+    else:
+        def expert_fn(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+            return project(self.act_fn(project(x, w["up"])), w["down"])                # [n, I] -> [n, H]
+
+    return run_routed_experts(runtime, hidden_states, top_k_index, self.num_experts, expert_fn,
+                              routing_weights=top_k_weights)
 
 
 ExpertsInterface.register(EXPERTS_IMPLEMENTATION, offloaded_experts_forward)
 
 
-class OffloadedSwitchExperts(nn.Module):
-    """Stands in for `SwitchTransformersExperts` (same call) while its experts are offloaded."""
-
-    def __init__(self, original: nn.Module, runtime) -> None:
-        super().__init__()
-        self.num_experts = original.num_experts
-        self.act = original["expert_0"].act
-        self.runtime = runtime
-
-    @torch.compiler.disable
-    def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
-                routing_weights: torch.Tensor) -> torch.Tensor:
-        # hidden_states [T, H]; selected_experts [T, 1, E] one-hot (all zero where capacity dropped the token);
-        # routing_weights [T, 1]
-        mask = selected_experts[:, 0, :].bool()                   # [T, E]
-        assigned = torch.where(mask.any(dim=1), mask.float().argmax(dim=1), -1)   # [T] expert or -1
-        tokens_of = group_by_expert(assigned, self.num_experts)
-        counts = [tokens.numel() for tokens in tokens_of.values()]   # what expert_compute="auto" weighs
-        with _expert_compute(), contextlib.closing(self.runtime.fetch(list(tokens_of), hidden_states,
-                                                                       counts)) as fetched:
-            out = torch.zeros_like(hidden_states)
-            for expert, weights in fetched:
-                tokens = tokens_of[expert]                        # [n]
-                where = weights_device(weights)
-                h = self.act(expert_linear(hidden_states[tokens].to(where), weights["wi"]))   # [n, F]
-                if h.dtype != weights["wo"].dtype:
-                    h = h.to(weights["wo"].dtype)
-                y = expert_linear(h, weights["wo"]).to(out.device) * routing_weights[tokens, 0, None]  # [n, H]
-                out.index_add_(0, tokens, y.to(hidden_states.dtype))
-        return _refuse_backward(out, hidden_states)
-
-
 @dataclass(frozen=True)
 class MatmulSlabLayout(SlabLayout):
     """The slab of an expert whose weights are used as `x @ weight` (transposed against `F.linear`'s [out, in]) or
-    added (biases): GPT-OSS, DBRX, Llama-4, and fused experts with `is_transposed=True` (Aria). int8/int4 quantization packs [out, in] matrices for `F.linear`, so it
-    does not apply; `quantize_refusal` is the message `QuantizedSlabLayout.build` raises instead.
+    added (biases): GPT-OSS, DBRX, Llama-4, and fused experts with `is_transposed=True` (Aria). int8/int4
+    quantization packs [out, in] matrices for `F.linear`, so it does not apply; `quantize_refusal` is the message
+    `QuantizedSlabLayout.build` raises instead.
 
     Example:
         >>> MatmulSlabLayout(parts=(("up", (2, 4)),), quantize_refusal="no").numel

@@ -9,8 +9,8 @@ In memory: `gate_up_proj [E, 2I, H]` (gate rows first, then up) and `down_proj [
 `x @ W`); or without a gate (`has_gate=False`, Nemotron-H: `up_proj [E, I, H]`, `down_proj [E, H, I]`, the
 module's `act_fn` on `up` alone). On disk (Hub layout): per-expert `gate/up/down` (or `up/down`) keys under
 family-specific names (read off transformers' checkpoint conversion mapping), fused keys under a legacy name
-(Granite-MoE's `input_linear`/`output_linear`, Aria's `fc1`/`fc2`), or the fused keys themselves. The offloaded forward is registered as the experts implementation "hf_moe_offload";
-attaching selects it.
+(Granite-MoE's `input_linear`/`output_linear`, Aria's `fc1`/`fc2`), or the fused keys themselves. The offloaded
+forward is registered as the experts implementation "hf_moe_offload"; attaching selects it.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from ..storage.checkpoint import CheckpointError, CheckpointIndex
-from .forward import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, matmul_refusal
+from .forward import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, attach_runtime, detach_runtime, matmul_refusal
 from .routing import kind_of, replacement_output, router_kind
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, checkpoint_key_candidates, \
     register_arch, release_parameter, restore_parameter, weight_piece
@@ -404,7 +404,7 @@ class FusedExpertsArch(MoEArch):
 def select_experts_implementation(model: nn.Module, layer: MoELayer, runtime, implementation: str) -> None:
     """Attach through transformers' `ExpertsInterface`: the layer's experts module gets its runtime, and the model
     switches to the offloaded `implementation` (the user's choice is kept to restore on detach)."""
-    layer.module._hf_moe_offload = runtime
+    attach_runtime(layer.module, runtime)
     if not hasattr(model, _PREVIOUS_IMPL):
         setattr(model, _PREVIOUS_IMPL, model.config._experts_implementation)
         model.set_experts_implementation(implementation)
@@ -412,8 +412,7 @@ def select_experts_implementation(model: nn.Module, layer: MoELayer, runtime, im
 
 def restore_experts_implementation(model: nn.Module, layer: MoELayer) -> None:
     """Undo `select_experts_implementation` for `layer` (the model's implementation once, for the first layer)."""
-    if hasattr(layer.module, "_hf_moe_offload"):
-        del layer.module._hf_moe_offload
+    detach_runtime(layer.module)
     previous = getattr(model, _PREVIOUS_IMPL, None)
     if previous is not None:
         delattr(model, _PREVIOUS_IMPL)

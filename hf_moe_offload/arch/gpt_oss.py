@@ -20,15 +20,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from ..storage.checkpoint import MXFP4_BLOCK, CheckpointError, CheckpointIndex, Mxfp4Scales
-from .forward import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
-                       weights_device)
+from .forward import MatmulSlabLayout, matmul_refusal, run_routed_experts, runtime_of
 from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, StackedParams, checkpoint_key_candidates, register_arch, \
     weight_piece
 from .fused import restore_experts_implementation, select_experts_implementation
@@ -45,31 +42,18 @@ MXFP4_PARAMS = {"gate_up": "gate_up_proj_blocks", "down": "down_proj_blocks"}
 def offloaded_gpt_oss_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                                       top_k_weights: torch.Tensor) -> torch.Tensor:
     """`ExpertsInterface` function for an offloaded `GptOssExperts`: per routed expert,
-    `(_apply_gate(x @ gate_up + gate_up_bias)) @ down + down_bias`, weighted; written per (token, slot) and summed
-    over the k slots at the end like transformers' grouped_mm, so the arrival order of experts changes nothing.
+    `(_apply_gate(x @ gate_up + gate_up_bias)) @ down + down_bias`, weighted (`run_routed_experts`).
 
     hidden_states [T, H]; top_k_index, top_k_weights [T, k].
     """
-    runtime = getattr(self, "_hf_moe_offload", None)
-    if runtime is None:
-        raise RuntimeError(f"{type(self).__name__} has no offloaded weights attached; experts_implementation="
-                           f"{GPT_OSS_IMPLEMENTATION!r} is only usable through hf_moe_offload")
-    num_tokens, hidden = hidden_states.shape
-    k = top_k_index.shape[-1]
-    flat_weights = top_k_weights.reshape(-1)                      # [T*k]
-    rows_of = group_by_expert(top_k_index.reshape(-1), self.num_experts)
-    out_dtype = torch.promote_types(hidden_states.dtype, top_k_weights.dtype)
-    tokens = [rows.numel() for rows in rows_of.values()]
-    with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of), hidden_states, tokens)) as fetched:
-        weighted = hidden_states.new_empty(num_tokens * k, hidden, dtype=out_dtype)   # [T*k, H], every row written
-        for expert, w in fetched:
-            rows = rows_of[expert]
-            x = hidden_states[rows // k].to(weights_device(w))   # [n, H]
-            h = self._apply_gate(x @ w["gate_up"] + w["gate_up_bias"])                 # [n, I]
-            y = (h @ w["down"] + w["down_bias"]).to(weighted.device)                   # [n, H]
-            weighted[rows] = y * flat_weights[rows, None]
-        out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)
-    return _refuse_backward(out, hidden_states)
+    runtime = runtime_of(self)
+
+    def expert_fn(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        h = self._apply_gate(x @ w["gate_up"] + w["gate_up_bias"])                   # [n, I]
+        return h @ w["down"] + w["down_bias"]                                        # [n, H]
+
+    return run_routed_experts(runtime, hidden_states, top_k_index, self.num_experts, expert_fn,
+                              routing_weights=top_k_weights)
 
 
 ExpertsInterface.register(GPT_OSS_IMPLEMENTATION, offloaded_gpt_oss_experts_forward)

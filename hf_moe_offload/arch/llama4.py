@@ -17,15 +17,12 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 from torch import nn
 
 from ..storage.checkpoint import CheckpointError, CheckpointIndex
-from .forward import (MatmulSlabLayout, _expert_compute, _refuse_backward, group_by_expert, matmul_refusal,
-                       weights_device)
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, StackedParams, SwappedExpertsChild, \
+from .forward import MatmulSlabLayout, attach_runtime, matmul_refusal, run_routed_experts, runtime_of
+from . import ExpertFetcher, ExpertPiece, MoEArch, MoELayer, SlabLayout, StackedParams, SwappedExpertsChild, \
     checkpoint_key_candidates, register_arch, weight_piece
 
 PARAMS = {"gate_up": "gate_up_proj", "down": "down_proj"}
@@ -34,12 +31,17 @@ PARAMS = {"gate_up": "gate_up_proj", "down": "down_proj"}
 class OffloadedLlama4Experts(nn.Module):
     """Stands in for `Llama4TextExperts` (same call) while its experts are offloaded."""
 
-    def __init__(self, original: nn.Module, runtime) -> None:
+    def __init__(self, original: nn.Module, runtime: ExpertFetcher) -> None:
         super().__init__()
         self.num_experts = original.num_experts
         self.hidden_size = original.hidden_size
         self.act_fn = original.act_fn
-        self.runtime = runtime
+        attach_runtime(self, runtime)
+
+    def expert(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`Llama4TextExperts`' math for one expert: x [n, H] -> [n, H]."""
+        gate, up = (x @ w["gate_up"]).chunk(2, dim=-1)                  # [n, I] each
+        return (up * self.act_fn(gate)) @ w["down"]
 
     @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -47,19 +49,13 @@ class OffloadedLlama4Experts(nn.Module):
         routed = hidden_states.view(self.num_experts, -1, self.hidden_size)          # [E, T, H]
         live = routed.ne(0).any(dim=-1)                                                 # [E, T]
         expert_ids = torch.arange(self.num_experts, device=live.device)[:, None].expand_as(live)
-        rows_of = group_by_expert(torch.where(live, expert_ids, -1).reshape(-1), self.num_experts)
-        tokens = [rows.numel() for rows in rows_of.values()]
+        routed_to = torch.where(live, expert_ids, -1).reshape(-1, 1)                    # [E * T, 1]
         # The hooks (look-ahead) see the layer's input: the sum over experts is it times the sum of its scores, a
         # positive factor that leaves every later router's top-k unchanged.
         shown = routed.sum(dim=0)                                                       # [T, H]
-        with _expert_compute(), contextlib.closing(self.runtime.fetch(list(rows_of), shown, tokens)) as fetched:
-            out = torch.zeros_like(hidden_states)                                       # [E * T, H]
-            for expert, w in fetched:
-                rows = rows_of[expert]
-                x = hidden_states[rows].to(weights_device(w))                            # [n, H]
-                gate, up = (x @ w["gate_up"]).chunk(2, dim=-1)                           # [n, I] each
-                out[rows] = ((up * self.act_fn(gate)) @ w["down"]).to(out.dtype).to(out.device)
-        return _refuse_backward(out, hidden_states)
+        # Each row is one (expert, token) pair already scaled by its score: no routing weights, one slot.
+        return run_routed_experts(runtime_of(self), hidden_states, routed_to, self.num_experts, self.expert,
+                                  layer_input=shown)
 
 
 class Llama4Arch(StackedParams, SwappedExpertsChild, MoEArch):

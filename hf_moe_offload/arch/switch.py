@@ -11,9 +11,36 @@ import torch
 from torch import nn
 
 from ..storage.checkpoint import CheckpointError, CheckpointIndex
-from .forward import OffloadedSwitchExperts
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, checkpoint_key_candidates, \
-    register_arch, release_parameter, restore_parameter
+from .forward import attach_runtime, expert_linear, run_routed_experts, runtime_of
+from . import ExpertFetcher, ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, \
+    checkpoint_key_candidates, register_arch, release_parameter, restore_parameter
+
+
+class OffloadedSwitchExperts(nn.Module):
+    """Stands in for `SwitchTransformersExperts` (same call) while its experts are offloaded."""
+
+    def __init__(self, original: nn.Module, runtime: ExpertFetcher) -> None:
+        super().__init__()
+        self.num_experts = original.num_experts
+        self.act = original["expert_0"].act
+        attach_runtime(self, runtime)
+
+    def expert(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`DenseActDense` with the expert's weights: x [n, H] -> [n, H]."""
+        h = self.act(expert_linear(x, w["wi"]))                    # [n, F]
+        if h.dtype != w["wo"].dtype:
+            h = h.to(w["wo"].dtype)
+        return expert_linear(h, w["wo"])
+
+    @torch.compiler.disable
+    def forward(self, hidden_states: torch.Tensor, selected_experts: torch.Tensor,
+                routing_weights: torch.Tensor) -> torch.Tensor:
+        # hidden_states [T, H]; selected_experts [T, 1, E] one-hot (all zero where capacity dropped the token);
+        # routing_weights [T, 1]
+        mask = selected_experts[:, 0, :].bool()                   # [T, E]
+        assigned = torch.where(mask.any(dim=1), mask.float().argmax(dim=1), -1)   # [T] expert or -1
+        return run_routed_experts(runtime_of(self), hidden_states, assigned[:, None], self.num_experts, self.expert,
+                                  routing_weights=routing_weights)
 
 
 class SwitchArch(SwappedExpertsChild, MoEArch):
@@ -49,7 +76,8 @@ class SwitchArch(SwappedExpertsChild, MoEArch):
                 restore_parameter(getattr(module[f"expert_{e}"], part), "weight", stacked[part][e])
 
     def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {f"expert_{e}.{part}.weight": stacked[part][e] for e in range(layer.num_experts) for part in ("wi", "wo")}
+        return {f"expert_{e}.{part}.weight": stacked[part][e]
+                for e in range(layer.num_experts) for part in ("wi", "wo")}
 
     def release_expert_params(self, module: nn.Module) -> None:
         for e in range(module.num_experts):
