@@ -257,13 +257,7 @@ def train_predictor(embedding: nn.Module, data: RoutingData, out_dir: str | os.P
     if train_rows.numel() == 0:
         raise EmptyDatasetError("no training rows (the data has too few rows for the validation split)")
     eval_rows, eval_on = (val_rows, "validation") if val_rows.numel() else (train_rows, "train")
-    record: dict[str, Any] = {
-        "command": command, "data": dict(data.meta.get("info", {}), rows=data.num_rows, tokens=data.num_tokens,
-                                         train_rows=int(train_rows.numel()), val_rows=int(val_rows.numel())),
-        "settings": asdict(config), "metrics_on": eval_on, "history": [], "epochs_done": 0, "best_epoch": 0,
-        "best_val_loss": None, "bad_epochs": 0, "stopped_early": False, "finished": False,
-        "paper_defaults": {"top_t": 30, "lambda_ce": 0.005, "lr": PAPER_LR, "batch_size": 64, "optimizer": "AdamW"},
-    }
+    record = _new_record(data, config, command, train_rows, val_rows, eval_on)
 
     torch.manual_seed(config.seed)
     predictor = HashPredictor(copy.deepcopy(predictor_config)).to(device)
@@ -282,62 +276,95 @@ def train_predictor(embedding: nn.Module, data: RoutingData, out_dir: str | os.P
                     train_rows.numel(), val_rows.numel(), eval_on)
 
     best_metrics = best.config.training.get("validation", {}) if record["epochs_done"] else {}
-    embedding_device = embedding.weight.device
     for epoch in range(record["epochs_done"] + 1, config.epochs + 1):
         started = time.perf_counter()
-        predictor.train()
-        gen = torch.Generator().manual_seed(config.seed * 1000 + epoch)
-        total, seen = 0.0, 0
-        batches = data.batches(train_rows, config.batch_size, shuffle=True, generator=gen)
-        bar = progress_bar(batches, total=data.num_batches(train_rows, config.batch_size), desc=f"epoch {epoch}",
-                           unit="batch", disable=not progress, leave=False)
-        for batch in bar:
-            emb = embed(embedding, batch.input_ids.to(embedding_device))
-            batch = batch.to(device)
-            logits = predictor(emb, batch.attention_mask)
-            loss, _ = distillation_loss(logits, batch.teacher, batch.attention_mask, config.top_t,
-                                        config.lambda_ce, config.tkd)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            if config.grad_clip > 0:
-                torch.nn.utils.clip_grad_norm_(predictor.parameters(), config.grad_clip)
-            optimizer.step()
-            total += float(loss.detach())
-            seen += 1
-            bar.set_postfix(loss=f"{total / seen:.4f}")
-        bar.close()
-        train_loss = total / max(seen, 1)
+        train_loss = _train_epoch(predictor, optimizer, embedding, data, train_rows, config, epoch, device, progress)
         val = evaluate(predictor, embedding, data, eval_rows, config.batch_size, config.top_t, config.lambda_ce,
                        config.tkd, config.hit_top)
         if not math.isfinite(train_loss) or not math.isfinite(val["loss"]):
             raise FloatingPointError(f"epoch {epoch}: loss is not finite (train {train_loss}, val {val['loss']}); "
                                      f"try a lower --lr")
-        summary = _epoch_summary(epoch, train_loss, val, time.perf_counter() - started)
-        record["history"].append(summary)
-        record["epochs_done"] = epoch
-        if record["best_val_loss"] is None or val["loss"] < record["best_val_loss"]:
-            record.update(best_val_loss=val["loss"], best_epoch=epoch, bad_epochs=0)
+        if _record_epoch(record, config, _epoch_summary(epoch, train_loss, val, time.perf_counter() - started)):
             best.load_state_dict(predictor.state_dict())
             best_metrics = val
-        else:
-            record["bad_epochs"] += 1
-        stop = record["bad_epochs"] >= config.patience
-        record["stopped_early"] = stop and epoch < config.epochs
-        record["finished"] = stop or epoch == config.epochs
-        logger.info("epoch %d: train loss %.4f | %s loss %.4f | hit rate %.4f | top-%d recall %.4f | top-1 %.4f | "
-                    "scale err %.4f%s", epoch, train_loss, eval_on, val["loss"], val["hit_rate"],
-                    val["top_k"], val["topk_recall"], val["top1_accuracy"], val["scale_error"],
-                    "" if record["best_epoch"] == epoch else f" (best: epoch {record['best_epoch']})")
+        _log_epoch(record, epoch, train_loss, val, eval_on)
         best.config.training = dict(copy.deepcopy(record), validation=best_metrics)
         state = None if record["finished"] else {"model": predictor.state_dict(), "optimizer": optimizer.state_dict(),
                                                  "epoch": epoch}
         save_checkpoint(best, out_dir, state)
         for cb in callbacks:
             cb(epoch, best.config.training)
-        if stop:
+        if record["bad_epochs"] >= config.patience:
             logger.info("early stop: no lower %s loss for %d epochs", eval_on, config.patience)
             break
     return TrainResult(best.eval(), out_dir, best_metrics, record["history"])
+
+
+def _new_record(data: RoutingData, config: TrainConfig, command: str | None, train_rows: torch.Tensor,
+                val_rows: torch.Tensor, eval_on: str) -> dict[str, Any]:
+    """The training record saved in the predictor's config (`training`): data, settings, and the progress that
+    `resume` reads back."""
+    return {
+        "command": command, "data": dict(data.meta.get("info", {}), rows=data.num_rows, tokens=data.num_tokens,
+                                         train_rows=int(train_rows.numel()), val_rows=int(val_rows.numel())),
+        "settings": asdict(config), "metrics_on": eval_on, "history": [], "epochs_done": 0, "best_epoch": 0,
+        "best_val_loss": None, "bad_epochs": 0, "stopped_early": False, "finished": False,
+        "paper_defaults": {"top_t": 30, "lambda_ce": 0.005, "lr": PAPER_LR, "batch_size": 64, "optimizer": "AdamW"},
+    }
+
+
+def _train_epoch(predictor: HashPredictor, optimizer: torch.optim.Optimizer, embedding: nn.Module,
+                 data: RoutingData, rows: torch.Tensor, config: TrainConfig, epoch: int, device: torch.device,
+                 progress: bool) -> float:
+    """One epoch of distillation over `rows`, shuffled by seed and epoch (so a resumed run sees the same order);
+    returns the mean batch loss."""
+    predictor.train()
+    gen = torch.Generator().manual_seed(config.seed * 1000 + epoch)
+    total, seen = 0.0, 0
+    embedding_device = embedding.weight.device
+    batches = data.batches(rows, config.batch_size, shuffle=True, generator=gen)
+    bar = progress_bar(batches, total=data.num_batches(rows, config.batch_size), desc=f"epoch {epoch}",
+                       unit="batch", disable=not progress, leave=False)
+    for batch in bar:
+        emb = embed(embedding, batch.input_ids.to(embedding_device))
+        batch = batch.to(device)
+        logits = predictor(emb, batch.attention_mask)
+        loss, _ = distillation_loss(logits, batch.teacher, batch.attention_mask, config.top_t,
+                                    config.lambda_ce, config.tkd)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        if config.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(predictor.parameters(), config.grad_clip)
+        optimizer.step()
+        total += float(loss.detach())
+        seen += 1
+        bar.set_postfix(loss=f"{total / seen:.4f}")
+    bar.close()
+    return total / max(seen, 1)
+
+
+def _record_epoch(record: dict[str, Any], config: TrainConfig, summary: dict[str, Any]) -> bool:
+    """Add an epoch's summary to `record`, with early-stopping bookkeeping; True when its validation loss is the
+    lowest so far (its weights become the best)."""
+    epoch = summary["epoch"]
+    record["history"].append(summary)
+    record["epochs_done"] = epoch
+    improved = record["best_val_loss"] is None or summary["val_loss"] < record["best_val_loss"]
+    if improved:
+        record.update(best_val_loss=summary["val_loss"], best_epoch=epoch, bad_epochs=0)
+    else:
+        record["bad_epochs"] += 1
+    stop = record["bad_epochs"] >= config.patience
+    record["stopped_early"] = stop and epoch < config.epochs
+    record["finished"] = stop or epoch == config.epochs
+    return improved
+
+
+def _log_epoch(record: dict[str, Any], epoch: int, train_loss: float, val: dict[str, Any], eval_on: str) -> None:
+    logger.info("epoch %d: train loss %.4f | %s loss %.4f | hit rate %.4f | top-%d recall %.4f | top-1 %.4f | "
+                "scale err %.4f%s", epoch, train_loss, eval_on, val["loss"], val["hit_rate"],
+                val["top_k"], val["topk_recall"], val["top1_accuracy"], val["scale_error"],
+                "" if record["best_epoch"] == epoch else f" (best: epoch {record['best_epoch']})")
 
 
 def save_checkpoint(predictor: HashPredictor, out_dir: str | os.PathLike, training_state: dict | None = None
