@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _profile(args: argparse.Namespace) -> int:
-    from .planning.profile import MachineProfile, ProfileError, default_profile_path, measure
+    from .demo import layer_overhead
+    from .planning.measure import measure
+    from .planning.profile import MachineProfile, ProfileError, default_profile_path
 
     path = args.out or default_profile_path()
     if args.show:
@@ -118,7 +120,7 @@ def _profile(args: argparse.Namespace) -> int:
             print(f"hf-moe-offload profile: error: {err}", file=sys.stderr)
             return 2
         return 0
-    profile = measure()
+    profile = measure(layer_overhead=layer_overhead)
     print(profile.summary())
     print(f"saved to {profile.save(path)}")
     return 0

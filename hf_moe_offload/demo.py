@@ -12,11 +12,17 @@ from __future__ import annotations
 
 import json
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import hf_moe_offload
+
+from ._compat import cache_keyword
+from ._timing import best_rate
 from .policy.offload_policy import OffloadPolicy
 
 DEMO_MODEL = Path(__file__).parent / "demo_model"
@@ -35,8 +41,6 @@ def run_demo(model_path: str | None = None, policy: OffloadPolicy | dict | str |
         >>> run_demo(max_new_tokens=8)["identical"]   # doctest: +SKIP
         True
     """
-    import hf_moe_offload
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     policy = OffloadPolicy.from_any(policy or DEMO_POLICY)
     path = str(model_path or DEMO_MODEL)
@@ -100,3 +104,42 @@ def _stats_line(stats: dict[str, Any], repeats: int) -> str:
             f"evictions {stats['evictions']}, hit rate {stats['hit_rate']:.0%}, "
             f"moved {stats['bytes_to_device'] / 2**20:.1f} MiB, peak cache {stats['peak_cache_bytes'] / 2**20:.2f} "
             f"of {stats['cache_capacity_bytes'] / 2**20:.2f} MiB, stalled {stats['stall_s']:.3f} s")
+
+
+def layer_overhead(device: str, seconds: float) -> tuple[float, float]:
+    """(seconds per MoE layer, seconds per generate step outside the layers) of one-token decode steps of the
+    offloaded demo model with every expert cached: its layers are so small that the time is the framework's
+    (Python, dispatch, the engine's bookkeeping; `generate`'s logits processing and input bookkeeping). What
+    `hf-moe-offload profile` hands to `planning.measure.measure`."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = hf_moe_offload.from_pretrained(DEMO_MODEL, {"device": device, "store": "disk", "expert_cache": "100%"})
+    try:
+        layers = len(hf_moe_offload.get_engine(model).layers)
+        ids = torch.tensor([[5, 6, 7, 8]], device=device)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+        with torch.no_grad():
+            out = model(ids, use_cache=True)
+            nxt, cache = out.logits[:, -1:].argmax(-1), out.past_key_values     # also the name in 5.24+ outputs
+            keyword = cache_keyword(model.forward)
+
+            def step() -> None:
+                model(nxt, **{keyword: cache}, use_cache=True)   # grows by a token a step: harmless
+                sync()
+
+            for _ in range(3):   # warm-up: every expert read into the cache once
+                step()
+            steps_per_s = best_rate(1.0, step, seconds, min_runs=5)
+            per_layer = 1.0 / steps_per_s / layers
+
+            def generate(new: int) -> None:
+                model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+                sync()
+
+            extra = 8   # decode steps between the two generate lengths
+            short = 1.0 / best_rate(1.0, lambda: generate(1), seconds / 2, min_runs=3)
+            long = 1.0 / best_rate(1.0, lambda: generate(1 + extra), seconds / 2, min_runs=3)
+        # A noisy machine can make the difference smaller than the layers' share: keep a tiny positive floor.
+        return per_layer, max((long - short) / extra - layers * per_layer, 1e-6)
+    finally:
+        hf_moe_offload.disable(model)

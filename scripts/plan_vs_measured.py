@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import glob
 import json
-import math
 import os
 import sys
 
@@ -27,7 +26,9 @@ from transformers import MixtralConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from hf_moe_offload.planning.planner import Candidate, ModelShape, predict  # noqa: E402
-from hf_moe_offload.planning.profile import MachineProfile, measure  # noqa: E402
+from hf_moe_offload.demo import layer_overhead  # noqa: E402
+from hf_moe_offload.planning.measure import measure  # noqa: E402
+from hf_moe_offload.planning.profile import MachineProfile  # noqa: E402
 from hf_moe_offload.runtime.pass_scheduler import is_wide_pass  # noqa: E402
 
 EXCLUDED = ("int8", "int4")   # quantized stores move other bytes and dequantize; not modelled yet
@@ -66,7 +67,8 @@ def main() -> int:
         elif threads not in profiles:
             torch.set_num_threads(threads)
             profiles[threads] = measure(disk_piece_bytes=d["model"]["one_expert_bytes"], disk_pieces=16,
-                                        matmul_hidden=d["model"]["shape"]["hidden"], seconds_per_kernel=0.5)
+                                        matmul_hidden=d["model"]["shape"]["hidden"], seconds_per_kernel=0.5,
+                                        layer_overhead=layer_overhead)
             base = profiles[threads]
         else:
             base = profiles[threads]

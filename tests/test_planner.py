@@ -13,7 +13,8 @@ from hf_moe_offload.cli import main
 from hf_moe_offload.demo import DEMO_MODEL
 from hf_moe_offload.planning.planner import ModelShape, make_plan, memory_needed
 from hf_moe_offload.policy.offload_policy import PolicyError
-from hf_moe_offload.planning.profile import MachineProfile, ProfileError, load_profile, measure
+from hf_moe_offload.planning.measure import measure
+from hf_moe_offload.planning.profile import MachineProfile, ProfileError, load_profile
 
 GiB = 1 << 30
 
@@ -80,7 +81,7 @@ def test_profile_file_accepted_and_malformed_refused_naming_the_field(tmp_path):
 def test_measure_smoke_saves_and_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_MOE_OFFLOAD_CACHE", str(tmp_path))
     p = measure(disk_piece_bytes=1 << 16, disk_pieces=4, memcpy_bytes=1 << 20, matmul_hidden=64, matmul_large_rows=8,
-                seconds_per_kernel=0.001, device="cpu", overhead=False)
+                seconds_per_kernel=0.001, device="cpu")
     assert not p.has_device and p.disk_read_bytes_per_s > 0 and p.cpu_flops_bf16_large > 0
     saved = p.save()
     assert saved == tmp_path / "profile.json"

@@ -128,13 +128,16 @@ def policy_parser() -> argparse.ArgumentParser:
     Fields typed `X | str` (`expert_cache: int | str`) are parsed as str, since HfArgumentParser would keep only
     `X` ("25%" is not an int); the policy itself accepts digit strings as sizes.
     """
-    original_types = {f.name: f.type for f in dataclasses.fields(OffloadPolicy)}
+    fields = dataclasses.fields(OffloadPolicy)
+    originals = {f.name: (f.type, f.metadata) for f in fields}
     try:
+        for f in fields:   # HfArgumentParser hands every metadata key to add_argument: only "help" is one
+            f.metadata = types.MappingProxyType({"help": f.metadata.get("help")})
         parser = HfArgumentParser(OffloadPolicy, add_help=False)
     finally:
         # HfArgumentParser rewrites each Field.type in place; OffloadPolicy's own fields must not change.
-        for f in dataclasses.fields(OffloadPolicy):
-            f.type = original_types[f.name]
+        for f in fields:
+            f.type, f.metadata = originals[f.name]
     hints = typing.get_type_hints(OffloadPolicy)
     for action in parser._actions:
         if action.dest in hints:
