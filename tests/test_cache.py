@@ -223,7 +223,7 @@ def test_cpu_compute_from_disk_reads_into_reused_host_buffers_and_resident_exper
     cache.expert_compute = "cpu"
     assert _run(cache, [0, 3, 1, 2, 5]) == [3, 0, 1, 2, 5]   # resident first, then the CPU ones in order
     assert sorted(store.reads) == [0, 1, 2, 3, 5]     # each read once, into a host buffer, not a slot
-    assert {k[1] for k in cache.resident} == {3} and len(cache._host_buffers) == 2
+    assert {k[1] for k in cache.resident} == {3} and len(cache.cpu.host_buffers) == 2
     snap = cache.stats.snapshot()
     assert (snap["hits"], snap["cpu_computed"], snap["cpu_bytes_read"]) == (1, 4, 4 * 64)
     assert snap["bytes_to_device"] == 64               # only the first copy of 3

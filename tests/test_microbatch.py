@@ -65,7 +65,7 @@ def test_a_micro_batched_pass_reads_each_expert_once_and_counts_as_one_pass(tiny
     forget = cache._forget
 
     def watching_forget(slot):
-        if slot.key[0] in cache._hold_layers.values():
+        if cache.held_pins.protects(slot.key[0]):
             evicted_while_held.append(slot.key)
         return forget(slot)
 

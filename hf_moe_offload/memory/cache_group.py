@@ -69,7 +69,8 @@ class _Resident(Mapping):
 class CacheGroup:
     """One `ExpertCache` (and copy engine) per device, looking like one cache to the engine: each call goes to the
     cache of the layer it names; every cache shares one lock (threads take turns per MoE layer, as with one
-    cache) and one eviction policy (its per-key state never mixes: each layer is in one cache).
+    cache; passed to each at construction) and one eviction policy (its per-key state never mixes: each layer is
+    in one cache).
 
     Example:
         >>> group = build_cache_group(store, plan, policy, stats)           # doctest: +SKIP
@@ -81,10 +82,10 @@ class CacheGroup:
         self.layer_devices = tuple(layer_devices)
         self.by_layer = [self.caches[d] for d in layer_devices]
         self.stats = stats
-        self.lock = threading.RLock()
-        for cache in self.caches.values():
-            cache.lock = self.lock
         first = next(iter(self.caches.values()))
+        if any(cache.lock is not first.lock for cache in self.caches.values()):
+            raise ValueError("the caches of a CacheGroup must share one lock (ExpertCache(..., lock=...))")
+        self.lock = first.lock
         self.store, self.eviction, self.expert_compute = first.store, first.eviction, first.expert_compute
         self.slot_bytes = first.slot_bytes
         self.zero_copy = all(c.zero_copy for c in self.caches.values())
@@ -118,11 +119,10 @@ class CacheGroup:
     def read_ahead(self, layer: int, experts: Sequence[int]) -> None:
         target = self.by_layer[layer]
         target.read_ahead(layer, experts)
-        if target is not self._computing and not target.zero_copy and target.expert_compute != "cpu":
+        if target is not self._computing:
             # Another device: its own copy engine can read now, while this device computes (its queue is
             # otherwise drained only by its own next fetch, which is that layer's demand).
-            with self.lock:
-                target._issue_ahead(in_flight=0)
+            target.issue_read_ahead()
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> int:
         return self.by_layer[layer].prefetch(layer, experts)
@@ -144,11 +144,13 @@ def build_cache_group(store: ExpertStore, plan: DevicePlan, policy: OffloadPolic
                       stats: OffloadStats) -> CacheGroup:
     """One cache per device of `plan`, each with its budget and its own copy engine; the stats show each device."""
     eviction = make_eviction(policy.eviction, num_layers=len(store.layouts))
+    lock = threading.RLock()            # threads take turns per MoE layer, as with one cache
     caches: dict[str, ExpertCache] = {}
     try:
         for device in plan.cache_devices:
             caches[device] = ExpertCache(store, plan.physical[device], plan.budgets[device], eviction,
-                                         DeviceStats(stats, device), policy.expert_compute, policy.resident_layers)
+                                         DeviceStats(stats, device), policy.expert_compute, policy.resident_layers,
+                                         lock=lock)
     except BaseException:
         for cache in caches.values():
             cache.close()
