@@ -13,13 +13,13 @@ from __future__ import annotations
 from ._logging import follow_transformers_logging
 from .arch import UnsupportedModelError, supported_model_types
 from .batching.config import offload_batching_config
-from .storage.checkpoint import CheckpointError
-from .runtime.engine import get_engine
 from .hooks import LayerHook
 from .loading.enable import disable, enable
 from .loading.patch import from_pretrained, install
 from .policy.offload_policy import OffloadPolicy, PolicyError
+from .runtime.engine import get_engine
 from .stats import StatsSnapshot
+from .storage.checkpoint import CheckpointError
 
 __version__ = "0.1.0"
 

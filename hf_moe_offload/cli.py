@@ -128,8 +128,8 @@ def _profile(args: argparse.Namespace) -> int:
 
 def _plan(args: argparse.Namespace) -> int:
     from .planning.planner import ModelShape, make_plan
-    from .policy.offload_policy import parse_size
     from .planning.profile import ProfileError, load_profile
+    from .policy.offload_policy import parse_size
 
     try:
         profile = load_profile(args.profile)

@@ -19,7 +19,6 @@ from torch import nn
 
 from .storage.checkpoint import BlockScales, ByteRange
 
-
 # One expert's tensors by slab part name, read from a built experts module (`MoEArch.expert_tensors`).
 ExpertTensors = Callable[[nn.Module, int], dict[str, torch.Tensor]]
 

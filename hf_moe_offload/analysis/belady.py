@@ -29,8 +29,9 @@ from typing import Iterable, Sequence
 
 import torch
 
-from ..memory.eviction import Key, LookAhead, make_eviction
 from ..hooks import LayerHook
+from ..memory.eviction import Key, LookAhead, make_eviction
+from ..runtime.pass_scheduler import PassScheduler
 
 Event = tuple[str, int, tuple[int, ...]]
 POLICIES = ("belady", "lru", "lfu", "layer", "lookahead")
@@ -67,8 +68,6 @@ class RoutingRecorder(LayerHook):
 
     def bind(self, engine) -> "RoutingRecorder":
         """Find the engine's schedule planner (for `predictions`); returns self."""
-        from ..runtime.pass_scheduler import PassScheduler
-
         self._planner = next((h for h in engine.hooks if isinstance(h, PassScheduler)), None)
         if self.predictions and self._planner is None:
             raise ValueError("RoutingRecorder(predictions=True) needs an engine with a schedule planner (an engine "

@@ -53,11 +53,11 @@ from torch import nn
 from transformers import ContinuousBatchingConfig
 from transformers.utils.generic import is_flash_attention_requested
 
-from ..planning.footprint import sequence_costs
-from ..runtime.engine import get_engine
 from ..attention.packed import runs_packed, use_packed_attention
-from .pass_costs import PassCosts, measure_pass_costs
+from ..planning.footprint import sequence_costs
 from ..policy.offload_policy import PolicyError, format_bytes
+from ..runtime.engine import get_engine
+from .pass_costs import PassCosts, measure_pass_costs
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ def task_names() -> list[str]:
 
 def task_manager(include_path: str | Path | list[str | Path] | None = None, **kwargs: Any):
     """An lm-eval `TaskManager` that knows the shipped tasks (plus `include_path`, which wins on a name clash)."""
-    from lm_eval.tasks import TaskManager
+    from lm_eval.tasks import TaskManager  # deferred: lm-eval is an optional dependency
 
     quiet_custom_dataset_hint()
     extra = [] if include_path is None else list(include_path) if isinstance(include_path, (list, tuple)) \
@@ -73,7 +73,7 @@ def metric_path(name: str) -> str:
 
 def load_metric(name: str, **kwargs: Any):
     """`evaluate.load` of a shipped metric by name, offline (``evaluate.load("accuracy")`` needs the Hub)."""
-    import evaluate
+    import evaluate  # deferred: evaluate is heavy to import and only this path needs it
 
     return evaluate.load(metric_path(name), **kwargs)
 

@@ -26,8 +26,8 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from ..arch import UnsupportedModelError
-from ..storage.checkpoint import CheckpointError
 from ..policy.offload_policy import PolicyError
+from ..storage.checkpoint import CheckpointError
 from . import quiet_custom_dataset_hint, tasks_dir
 from .policy_args import POLICY_KEY, PREFIX, accepted_keys
 
@@ -41,8 +41,8 @@ INSTALL_HINT = 'lm-eval is not installed: pip install "hf-moe-offload[lm-eval]"'
 def run_lm_eval(argv: Sequence[str]) -> int:
     """Run lm-eval's CLI on `argv` (the arguments after ``lm-eval``); return the exit status."""
     try:
-        from lm_eval._cli import HarnessCLI
-        from lm_eval.utils import setup_logging
+        from lm_eval._cli import HarnessCLI  # deferred: lm-eval is an optional dependency
+        from lm_eval.utils import setup_logging  # deferred: lm-eval is an optional dependency
     except ImportError:
         print(f"{PROG}: error: {INSTALL_HINT}", file=sys.stderr)
         return 2

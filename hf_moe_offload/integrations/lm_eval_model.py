@@ -28,13 +28,14 @@ from typing import Any
 
 import torch
 import transformers
+from accelerate import Accelerator
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from .distributed import device_for_rank, launch_world
-from ..runtime.engine import get_engine
 from ..loading.patch import auto_model_class, from_pretrained
 from ..policy.offload_policy import OffloadPolicy, PolicyError
+from ..runtime.engine import get_engine
+from .distributed import device_for_rank, launch_world
 from .policy_args import pop_policy_args
 
 logger = logging.getLogger(__name__)
@@ -114,7 +115,6 @@ class OffloadedHFLM(HFLM):
         """Data parallelism under `torchrun` / `accelerate launch`: each process holds its own offloaded model and
         lm-eval splits the requests by rank and gathers the results (HFLM does this itself only for a model it
         loads from a name on several GPUs; on CPUs the processes talk over gloo)."""
-        from accelerate import Accelerator
 
         self.accelerator = Accelerator(cpu=self._device.type == "cpu")
         self._rank = self.accelerator.process_index

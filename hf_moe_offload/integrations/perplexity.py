@@ -39,9 +39,12 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
+from ..loading.patch import from_pretrained
 from ..policy.offload_policy import OffloadPolicy, PolicyError, policy_value
+from ..runtime.engine import get_engine
 from .policy_args import given_fields, policy_from_args, policy_parser
 
 logger = logging.getLogger(__name__)
@@ -57,7 +60,6 @@ class DataError(ValueError):
 @dataclass
 class PerplexityResult:
     """Corpus and per-text perplexity of one model on one list of texts."""
-
     perplexity: float                  # exp(total NLL / tokens)
     nll: float                         # total negative log-likelihood (nats)
     tokens: int                        # scored tokens
@@ -83,8 +85,6 @@ class _Window:
 
 def model_device(model: torch.nn.Module) -> torch.device:
     """Where inputs go: the offload policy's device for an offloaded model, else the first parameter's."""
-    from ..runtime.engine import get_engine
-
     engine = get_engine(model)
     if engine is not None:
         return torch.device(engine.policy.device)
@@ -184,10 +184,6 @@ def parse_policy(value: Any) -> Any:
 def load_model_and_tokenizer(path: str, policy: Any = "auto", *, dtype: str | torch.dtype = "auto",
                              device: str | None = None, **kwargs: Any):
     """Load a causal LM with `policy` (None: the unpatched model, on `device`) and its tokenizer."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from ..loading.patch import from_pretrained
-
     policy = parse_policy(policy)
     if isinstance(dtype, str) and dtype != "auto":
         dtype = getattr(torch, dtype)
@@ -203,7 +199,7 @@ def load_model_and_tokenizer(path: str, policy: Any = "auto", *, dtype: str | to
 def read_texts(data: str, text_field: str = "text", split: str | None = None, limit: int | None = None) -> list[str]:
     """Texts of a local dataset: .jsonl / .json (field `text_field`), .txt (one text per non-empty line), or a
     directory saved with `datasets.save_to_disk`."""
-    import datasets
+    import datasets  # deferred: datasets is heavy to import and only this path reads data sets
 
     path = Path(data)
     if path.is_dir():
@@ -285,8 +281,6 @@ def policy_of(args: argparse.Namespace) -> OffloadPolicy | None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from ..runtime.engine import get_engine
-
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     policy = policy_of(args)             # a bad policy is refused before the data or the model is read

@@ -42,7 +42,7 @@ _LAST_WORD = re.compile(r"^(?P<context>.+\S)\s+(?P<word>[A-Za-z]{3,})\.$")
 
 def pydoc_topics() -> dict[str, str]:
     """CPython's pydoc topic texts, stripped, empty ones dropped."""
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # deferred: the bundled text is read only when asked for
 
     return {key: text.strip() for key, text in topics.items() if text.strip()}
 

@@ -11,8 +11,7 @@ from ..attention.cpu import check_cpu_attention, cpu_attention_enabled, restore_
 from ..batching.config import install_batching_defaults
 from ..planning.resolve import ResolvedPolicy
 from ..policy.offload_policy import OffloadPolicy
-from ..prefetch.hash import HashPredictor
-from ..prefetch.hash import HashPrefetcher
+from ..prefetch.hash import HashPredictor, HashPrefetcher
 from ..runtime.engine import OffloadEngine
 
 

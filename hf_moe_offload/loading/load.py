@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from accelerate.hooks import attach_align_device_hook_on_blocks
 from torch import nn
 from transformers import AutoConfig, PreTrainedModel
 
@@ -30,8 +31,13 @@ from ..storage.checkpoint import CheckpointIndex, resolve_checkpoint_dir
 from ..storage.store import CpuStore, DiskStore, ExpertStore, dense_expert
 from .experts_store import policy_quantized_layouts, quantized_store
 from .finish import check_attention, finish_offloading, load_predictor
-from .quantized_checkpoints import (checkpoint_block_size, checkpoint_is_mxfp4, dequantizing_fp8_config,
-                                    dequantizing_mxfp4_config, forget_mxfp4_conversions)
+from .quantized_checkpoints import (
+    checkpoint_block_size,
+    checkpoint_is_mxfp4,
+    dequantizing_fp8_config,
+    dequantizing_mxfp4_config,
+    forget_mxfp4_conversions,
+)
 from .transformers_patches import experts_left_unread
 
 logger = logging.getLogger(__name__)
@@ -149,7 +155,6 @@ def _attach(model: PreTrainedModel, arch: MoEArch, layers: list[MoELayer], store
 def _dispatch(model: PreTrainedModel, hook_map: dict[str, str]) -> None:
     """accelerate's hooks that move activations between the devices of a device_map; every block computes where
     its weights are (no weight streaming). Attached after the engine: the experts hold no parameters then."""
-    from accelerate.hooks import attach_align_device_hook_on_blocks
 
     attach_align_device_hook_on_blocks(model, execution_device={n: torch.device(d) for n, d in hook_map.items()},
                                        offload={n: False for n in hook_map if n},

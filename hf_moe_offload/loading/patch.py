@@ -17,7 +17,7 @@ import functools
 import threading
 from typing import Any
 
-from transformers import PreTrainedModel
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from .load import load_offloaded
 
@@ -58,7 +58,6 @@ def from_pretrained(pretrained_model_name_or_path, offload_policy: Any = "auto",
         >>> model = hf_moe_offload.from_pretrained(path, policy)   # doctest: +SKIP
     """
     if model_class is None:
-        from transformers import AutoConfig
 
         model_class = auto_model_class(kwargs.get("config") or AutoConfig.from_pretrained(pretrained_model_name_or_path))
     if hasattr(model_class, "_model_mapping"):   # Auto class: let it pick the concrete class, then our loader runs
@@ -78,6 +77,5 @@ def auto_model_class(config) -> type:
         >>> auto_model_class(SwitchTransformersConfig()).__name__
         'AutoModelForSeq2SeqLM'
     """
-    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM
 
     return AutoModelForSeq2SeqLM if getattr(config, "is_encoder_decoder", False) else AutoModelForCausalLM

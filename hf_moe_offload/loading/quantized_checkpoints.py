@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 
 from torch import nn
+from transformers import FineGrainedFP8Config, Mxfp4Config
+from transformers.integrations.mxfp4 import Mxfp4Dequantize
 
 from ..policy.offload_policy import PolicyError
 
@@ -110,7 +112,6 @@ def dequantizing_fp8_config(config, given):
     """The `quantization_config=` that makes transformers load a fine-grained FP8 checkpoint dequantized to the model
     dtype, as it does by itself without a GPU: the resident part is then dense, like the experts the store
     dequantizes."""
-    from transformers import FineGrainedFP8Config
 
     return _dequantizing_config(config, given, FineGrainedFP8Config,
                                 lambda qc: {"weight_block_size": list(_qc_get(qc, "weight_block_size"))})
@@ -119,7 +120,6 @@ def dequantizing_mxfp4_config(config, given):
     """The `quantization_config=` that makes transformers load an MXFP4 GPT-OSS checkpoint's non-expert part as it
     does by itself without a GPU kernel (`Mxfp4Config(dequantize=True)`): dense, like the experts the store
     dequantizes."""
-    from transformers import Mxfp4Config
 
     return _dequantizing_config(config, given, Mxfp4Config, lambda qc: {})
 
@@ -142,7 +142,6 @@ def forget_mxfp4_conversions(model: nn.Module) -> None:
     load: `save_pretrained` reverses them, and would write the dense experts under the `*_blocks` names (transformers'
     own dequantized MXFP4 model saves such an unloadable checkpoint). Without them it saves a dense checkpoint, the
     `quantization_config` being gone from the config after a dequantized load."""
-    from transformers.integrations.mxfp4 import Mxfp4Dequantize
 
     conversions = getattr(model, "_weight_conversions", None)
     if conversions:

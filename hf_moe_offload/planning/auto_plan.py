@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..policy.offload_policy import AUTO, DEFAULT_STREAM_WINDOW, OffloadPolicy
-from .footprint import Footprint
 from ..runtime.pass_scheduler import is_wide_pass
+from .footprint import Footprint
 from .planner import STREAM_WINDOWS, Candidate, ModelShape, predict
 from .profile import MachineProfile, ProfileError, default_profile_path, load_profile
 

@@ -36,13 +36,14 @@ from collections.abc import Mapping
 from typing import Any, Iterator, Sequence
 
 import torch
+from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
 from torch import nn
 
+from ..layout import MoELayer
+from ..memory.cache_group import DevicePlan
+from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError, format_bytes, normalize_device, parse_size
 from .footprint import Footprint, auto_device, free_bytes, headroom_bytes, workload
 from .resolve import ResolvedPolicy, check_placement, resolve, resolve_micro_batches
-from ..memory.cache_group import DevicePlan
-from ..layout import MoELayer
-from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError, format_bytes, normalize_device, parse_size
 
 logger = logging.getLogger(__name__)
 
@@ -196,7 +197,6 @@ def _parse_max_memory(max_memory: Any) -> dict[str, int]:
 def _accelerate_map(skeleton: nn.Module, kind: str, limits: Mapping[str, int], layers: Sequence[MoELayer],
                     policy: OffloadPolicy, fp: Footprint, dtype: torch.dtype) -> dict[str, str]:
     """accelerate's placement of the non-expert part, with each cache device's share taken off its memory."""
-    from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
 
     no_split = list(getattr(skeleton, "_no_split_modules", None) or [])
     accel_memory = {(physical_device(k).index if physical_device(k).type == "cuda" else "cpu"): v

@@ -13,8 +13,14 @@ from torch import nn
 
 from ..attention.cpu import check_cpu_attention
 from ..layout import MoELayer
-from ..policy.offload_policy import (AUTO, DEFAULT_MAX_BATCH_SIZE, DEFAULT_MAX_SEQ_LEN, OffloadPolicy, PolicyError,
-                                     format_bytes)
+from ..policy.offload_policy import (
+    AUTO,
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_SEQ_LEN,
+    OffloadPolicy,
+    PolicyError,
+    format_bytes,
+)
 from ..storage.quantize import QuantizedSlabLayout
 
 logger = logging.getLogger(__name__)

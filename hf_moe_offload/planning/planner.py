@@ -39,11 +39,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, footprint
+from ..arch import get_arch
 from ..policy.offload_policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
-from .profile import MachineProfile
 from ..runtime.pass_scheduler import expected_experts, is_wide_pass
+from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, footprint
+from .profile import MachineProfile
 
 logger = logging.getLogger(__name__)
 
@@ -103,10 +105,6 @@ class ModelShape:
     @classmethod
     def from_config(cls, config: Any, dtype: torch.dtype) -> "ModelShape":
         """From a transformers config alone: a meta-device skeleton (no memory) measured by `footprint()`."""
-        from transformers import AutoModelForCausalLM
-
-        from ..arch import get_arch
-
         with torch.device("meta"):
             skeleton = AutoModelForCausalLM.from_config(config)
         layers = get_arch(config).find_layers(skeleton)
@@ -115,8 +113,6 @@ class ModelShape:
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelShape":
         """From a checkpoint's config (local folder or Hub id), at the dtype it is stored in."""
-        from transformers import AutoConfig
-
         config = AutoConfig.from_pretrained(path)
         dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
@@ -126,7 +122,6 @@ class ModelShape:
 @dataclass(frozen=True)
 class Candidate:
     """One policy to evaluate: per-phase schedule, resident share, tokens per pass, attention placement."""
-
     prefill_schedule: str        # "on_demand" | "stream"
     decode_schedule: str
     resident_share: float        # share of all expert bytes held in the device cache (the rest moves)
@@ -212,7 +207,6 @@ def cpu_matmul_seconds(profile: MachineProfile, rows: int, params: float, dtype_
 @dataclass(frozen=True)
 class LayerCost:
     """One MoE layer of one pass: compute seconds (experts and the rest) and what its experts read."""
-
     compute_s: float        # everything the layer computes, on the processor that binds it
     expert_s: float         # the experts' share of compute_s
     touched: float          # distinct experts the pass uses in this layer

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
-
 logger = logging.getLogger(__name__)
 
 PROFILE_VERSION = 1

@@ -18,11 +18,17 @@ from typing import Any, Sequence
 import psutil
 import torch
 
-from ..policy.offload_policy import (AUTO, DEFAULT_STREAM_WINDOW, OffloadPolicy, PolicyError, format_bytes,
-                                     normalize_device, parse_size)
-from .footprint import (CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, auto_device, free_bytes, headroom_bytes,
-                        workload)
+from ..policy.offload_policy import (
+    AUTO,
+    DEFAULT_STREAM_WINDOW,
+    OffloadPolicy,
+    PolicyError,
+    format_bytes,
+    normalize_device,
+    parse_size,
+)
 from .auto_plan import plan_for_policy
+from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, auto_device, free_bytes, headroom_bytes, workload
 
 logger = logging.getLogger(__name__)
 

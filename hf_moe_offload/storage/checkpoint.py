@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from huggingface_hub import snapshot_download
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -454,7 +455,6 @@ def resolve_checkpoint_dir(name_or_path: str | os.PathLike, **hub_kwargs) -> str
     path = str(name_or_path)
     if os.path.isdir(path):
         return path
-    from huggingface_hub import snapshot_download
 
     allowed = {k: v for k, v in hub_kwargs.items() if k in ("revision", "cache_dir", "token", "local_files_only")}
     try:

@@ -42,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from ..layout import SlabLayout
+from ..policy.offload_policy import PolicyError
 
 METHODS = ("int8", "int4")
 ALIGN = 64                 # every region starts on a cache line (scales are viewed as the model dtype)
@@ -80,7 +81,6 @@ def _align(n: int) -> int:
 @dataclass(frozen=True)
 class QuantizedPart:
     """One dense part [N, K] in a quantized slab: its data bytes, then its scales (byte offsets in the slab)."""
-
     name: str
     shape: tuple[int, int]          # dense [N, K] (F.linear weight: out, in)
     method: str                     # "int8" | "int4"
@@ -117,7 +117,6 @@ class QuantizedSlabLayout:
         if method not in METHODS:
             raise ValueError(f"quantize={method!r} is not a quantization method; allowed: {list(METHODS)}")
         if getattr(dense, "quantize_refusal", ""):   # experts computing x @ W (+ bias): GPT-OSS, DBRX, Llama-4
-            from ..policy.offload_policy import PolicyError
             raise PolicyError(dense.quantize_refusal)
         itemsize = compute_dtype.itemsize
         parts, offset = [], 0
@@ -185,7 +184,6 @@ class QuantizedSlabLayout:
 
 class QuantizedWeight:
     """A quantized [N, K] weight over slab memory; `linear(x)` = `F.linear(x, dequantized weight)`."""
-
     def __init__(self, part: QuantizedPart, data: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype):
         self.part, self.data, self.scales = part, data, scales
         self.dtype = dtype          # the compute dtype (inputs are cast to it)

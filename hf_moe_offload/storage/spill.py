@@ -27,8 +27,8 @@ import torch
 from safetensors.torch import save_file
 
 from .._logging import progress
-from .checkpoint import CheckpointError, CheckpointIndex, read_header
 from ..layout import ExpertPiece, ExpertTensors, MoELayer
+from .checkpoint import CheckpointError, CheckpointIndex, read_header
 from .quantize import QuantizedSlabLayout, packing_signature
 
 logger = logging.getLogger(__name__)

@@ -28,8 +28,8 @@ from typing import Callable, Sequence
 import torch
 
 from .._logging import progress
-from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
 from ..layout import ExpertPiece, ExpertTensors, MoELayer, SlabLayout
+from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
 from .quantize import QuantizedSlabLayout
 
 # cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.

@@ -39,12 +39,23 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoConfig, AutoTokenizer
+from transformers.utils import logging as hf_logging
 
 from ..arch import UnsupportedModelError, get_arch
+from ..loading.patch import auto_model_class
 from ..policy.offload_policy import OffloadPolicy, PolicyError, normalize_device
 from ..prefetch.hash import HashPredictorConfig, PredictorFileError, PredictorMismatchError, fingerprint
-from .routing_data import (ROUTING_META, DatasetFieldError, EmptyDatasetError, RoutingData, collect_routing,
-                           load_text_dataset, routing_bytes, tokenize_dataset)
+from .routing_data import (
+    ROUTING_META,
+    DatasetFieldError,
+    EmptyDatasetError,
+    RoutingData,
+    collect_routing,
+    load_text_dataset,
+    routing_bytes,
+    tokenize_dataset,
+)
 from .train import TrainConfig, check_out_dir, holds_checkpoint, train_predictor
 
 log = logging.getLogger(__name__)
@@ -187,10 +198,6 @@ def probe_writable(out: Path) -> None:
 
 def load_model(path: str, dtype: str, offload_policy: OffloadPolicy | None):
     """The model at `path` (causal or seq2seq), offloaded when a policy is given."""
-    from transformers import AutoConfig
-
-    from ..loading.patch import auto_model_class
-
     if not Path(path).is_dir():
         raise FileNotFoundError(f"--model {path!r}: no such directory")
     config = AutoConfig.from_pretrained(path)
@@ -204,8 +211,6 @@ def load_model(path: str, dtype: str, offload_policy: OffloadPolicy | None):
 
 def load_tokenizer(path: str):
     """The tokenizer saved beside the model."""
-    from transformers import AutoTokenizer
-
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -285,8 +290,7 @@ def run_command(args: argparse.Namespace, command: str, prog: str = "train-hash"
         >>> run_command(parser.parse_args(argv), "hf-moe-offload train-hash ...")   # doctest: +SKIP
         0
     """
-    from tqdm.contrib.logging import logging_redirect_tqdm
-    from transformers.utils import logging as hf_logging
+    from tqdm.contrib.logging import logging_redirect_tqdm  # deferred: only the CLI's progress bars need it
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

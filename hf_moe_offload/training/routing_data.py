@@ -25,6 +25,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
@@ -57,8 +59,9 @@ class EmptyDatasetError(ValueError):
 def pydoc_dataset():
     """CPython's `pydoc_data.topics` (the reference-manual texts of `help()`), one row per paragraph with fields
     `text` and `topic`; always available offline."""
-    import datasets
-    from pydoc_data.topics import topics
+    from pydoc_data.topics import topics  # deferred: the bundled text is read only when asked for
+
+    import datasets  # deferred: datasets is heavy to import and only this path reads data sets
 
     rows = [{"text": para.strip(), "topic": key}
             for key in sorted(topics) for para in topics[key].split("\n\n") if para.strip()]
@@ -69,7 +72,7 @@ def load_text_dataset(spec: str, text_field: str = "text", max_samples: int | No
     """A `datasets.Dataset` from `spec`: "pydoc" (built-in), or a local .json/.jsonl/.txt/.csv/.parquet/.arrow file
     (`datasets.load_dataset(<builder>, data_files=spec)`) or a directory saved with `save_to_disk`. Checks that
     `text_field` exists (`DatasetFieldError` lists the fields) and that there are rows (`EmptyDatasetError`)."""
-    import datasets
+    import datasets  # deferred: datasets is heavy to import and only this path reads data sets
 
     if spec == PYDOC_DATASET:
         ds = pydoc_dataset()
@@ -321,7 +324,6 @@ class _ShardWriter:
             "row_ids": torch.tensor(self._row_ids, dtype=torch.long),
         }
         if self.out_dir is not None:
-            from safetensors.torch import save_file
 
             path = self.out_dir / SHARD_PATTERN.format(len(self.shards))
             save_file(tensors, str(path))
@@ -356,7 +358,6 @@ class _Shard:
     def load(self) -> dict[str, torch.Tensor]:
         if self.tensors is not None:
             return self.tensors
-        from safetensors.torch import load_file
 
         return load_file(str(self.path))
 
@@ -428,7 +429,6 @@ class RoutingData:
     @classmethod
     def open(cls, directory: str | os.PathLike) -> RoutingData:
         """Routing data written by `collect_routing(..., out_dir=directory)`."""
-        from safetensors import safe_open
 
         directory = Path(directory)
         meta_path = directory / ROUTING_META
@@ -450,7 +450,6 @@ class RoutingData:
 
     def to_disk(self, directory: str | os.PathLike) -> RoutingData:
         """Write in-memory shards to `directory` (as `collect_routing(out_dir=...)` would)."""
-        from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)

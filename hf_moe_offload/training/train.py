@@ -37,11 +37,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AutoTokenizer
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
 from ..prefetch.hash import CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig, embed
-from .routing_data import (EmptyDatasetError, RoutingData, collect_routing, load_text_dataset, rows_from_ids,
-                           tokenize_dataset)
+from .routing_data import (
+    EmptyDatasetError,
+    RoutingData,
+    collect_routing,
+    load_text_dataset,
+    rows_from_ids,
+    tokenize_dataset,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -484,11 +491,10 @@ def evaluate_on_texts(predictor: HashPredictor, model: nn.Module, texts: Sequenc
         rows = rows_from_ids(input_ids, max_length, chunk=chunk)
     else:
         if tokenizer is None:
-            from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(model.config._name_or_path)
         if texts is not None:
-            import datasets
+            import datasets  # deferred: datasets is heavy to import and only this path reads data sets
 
             dataset = datasets.Dataset.from_dict({text_field: list(texts)})
         elif isinstance(dataset, (str, os.PathLike)):

@@ -35,6 +35,6 @@ def load_json(data_files: Any, **_ignored: Any):
 
     lm-eval also passes the task metadata (and the run's model_args) as keyword arguments; they are ignored.
     """
-    import datasets
+    import datasets  # deferred: datasets is heavy to import and only this path reads data sets
 
     return datasets.load_dataset("json", data_files=_resolve(data_files))

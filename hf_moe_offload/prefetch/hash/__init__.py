@@ -11,9 +11,20 @@ Example:
     >>> predictor = HashPredictor.from_pretrained("me/mixtral-hash", model=model)    # doctest: +SKIP
 """
 
-from .config import (CONFIG_NAME, FINGERPRINT_FIELDS, FORMAT_VERSION, MODEL_CARD_NAME, WEIGHTS_NAME,
-                     HashPredictorConfig, PredictorFileError, PredictorMismatchError, PredictorNotFoundError,
-                     fingerprint, predicted_layers, renormalizes_topk)
+from .config import (
+                     CONFIG_NAME,
+                     FINGERPRINT_FIELDS,
+                     FORMAT_VERSION,
+                     MODEL_CARD_NAME,
+                     WEIGHTS_NAME,
+                     HashPredictorConfig,
+                     PredictorFileError,
+                     PredictorMismatchError,
+                     PredictorNotFoundError,
+                     fingerprint,
+                     predicted_layers,
+                     renormalizes_topk,
+)
 from .io import check_fingerprint, is_hub_repo_id, resolve_predictor
 from .model import HashPredictor, PredictorState, embed, sparsemax
 from .runner import LOOKAHEAD_LAYERS, HashPrefetcher, Prediction

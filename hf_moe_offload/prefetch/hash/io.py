@@ -12,15 +12,31 @@ import hashlib
 import json
 import logging
 import os
+import tempfile
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
+from huggingface_hub import HfApi, ModelCardData, constants, is_offline_mode, snapshot_download
+from huggingface_hub.errors import EntryNotFoundError, HFValidationError
+from huggingface_hub.utils import validate_repo_id
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import (CONFIG_NAME, FINGERPRINT_FIELDS, FORMAT_VERSION, LIBRARY_NAME, MODEL_CARD_NAME, WEIGHTS_NAME,
-                     HashPredictorConfig, PredictorFileError, PredictorMismatchError, PredictorNotFoundError,
-                     fingerprint)
+from .config import (
+    CONFIG_NAME,
+    FINGERPRINT_FIELDS,
+    FORMAT_VERSION,
+    LIBRARY_NAME,
+    MODEL_CARD_NAME,
+    WEIGHTS_NAME,
+    HashPredictorConfig,
+    PredictorFileError,
+    PredictorMismatchError,
+    PredictorNotFoundError,
+    fingerprint,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +60,6 @@ class PredictorFilesMixin:
         >>> predictor.save("predictors/mixtral")
         PosixPath('predictors/mixtral')
         """
-        from safetensors.torch import save_file
 
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
@@ -83,9 +98,7 @@ class PredictorFilesMixin:
 
         >>> predictor.push_to_hub("me/mixtral-hash", private=True)
         """
-        import tempfile
 
-        from huggingface_hub import HfApi
 
         api = HfApi(token=token)
         repo_id = api.create_repo(repo_id=repo_id, private=private, exist_ok=True, repo_type="model").repo_id
@@ -129,8 +142,6 @@ class PredictorFilesMixin:
                         device: str | torch.device | None) -> _P:
         """The checks and loading of `load` on a local directory: both files present, config readable and not
         newer than this code, weights' sha256 as recorded, fingerprint matching `model`."""
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
 
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
         config = read_config(config_path, weights_path)
@@ -214,7 +225,6 @@ def _sha256(path: Path) -> str:
 
 def model_card(config: HashPredictorConfig, location: str = "<repo or dir>") -> str:
     """The README.md of a predictor with `config`, used from `location` (a repo id or directory)."""
-    from huggingface_hub import ModelCardData
 
     c = config
     trained_on = c.training.get("data", {}).get("model")
@@ -289,8 +299,6 @@ def is_hub_repo_id(name: str) -> bool:
     >>> is_hub_repo_id("me/mixtral-hash"), is_hub_repo_id("./predictor"), is_hub_repo_id("/tmp/predictor")
     (True, False, False)
     """
-    from huggingface_hub.errors import HFValidationError
-    from huggingface_hub.utils import validate_repo_id
 
     if name.startswith((".", "~")) or os.path.isabs(name) or "\\" in name:
         return False
@@ -325,8 +333,6 @@ def _hub_snapshot(repo_id: str, *, revision: str | None, cache_dir: str | os.Pat
                   token: str | bool | None, local_files_only: bool | None, force_download: bool) -> Path:
     """`snapshot_download` of a predictor repo's two files; any failure becomes a `PredictorNotFoundError` that
     says where it looked (repo, revision, cache, offline or not) instead of huggingface_hub's traceback."""
-    from huggingface_hub import constants, is_offline_mode, snapshot_download
-    from huggingface_hub.errors import EntryNotFoundError, HFValidationError
 
     try:
         return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, token=token,

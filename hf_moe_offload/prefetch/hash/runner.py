@@ -53,8 +53,8 @@ from typing import Any, Sequence
 import torch
 from torch import nn
 
-from ...arch.routing import kind_of
 from ..._compat import is_continuous_batching, kv_cache
+from ...arch.routing import kind_of
 from ...hooks import LayerHook
 
 logger = logging.getLogger(__name__)
