@@ -20,8 +20,8 @@ from torch import nn
 
 from ..storage.checkpoint import ByteRange, CheckpointError, CheckpointIndex
 from .forward import MatmulSlabLayout, attach_runtime, matmul_refusal, run_routed_experts, runtime_of
-from . import ExpertFetcher, ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, \
-    checkpoint_key_candidates, register_arch, release_parameter, restore_parameter
+from ..layout import ExpertPiece, MoELayer, SlabLayout, release_parameter, restore_parameter
+from .base import ExpertFetcher, MoEArch, SwappedExpertsChild, checkpoint_key_candidates, register_arch
 
 PARTS = ("w1", "v1", "w2")
 

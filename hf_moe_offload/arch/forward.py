@@ -1,9 +1,12 @@
 """The offloaded experts forward: group tokens per expert, touch only experts that receive tokens, and compute the
 experts already resident first while missing ones are still on their way (the cache's `fetch` order).
 
+`run_routed_experts` is that loop, shared by every family; an adapter's forward gives it the family's per-expert
+math. Every offloaded experts module reaches its runtime (an `ExpertFetcher`) through `runtime_of`, which
+`attach_runtime` set.
+
 Shapes: T = tokens, H = hidden, k = experts per token, E = experts, I = expert intermediate size.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -16,7 +19,7 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from ..layout import SlabLayout
-from . import ExpertFetcher
+from .base import ExpertFetcher
 
 EXPERTS_IMPLEMENTATION = "hf_moe_offload"
 
@@ -110,7 +113,7 @@ def detach_runtime(module: nn.Module) -> None:
 
 
 def runtime_of(module: nn.Module) -> ExpertFetcher:
-    """The runtime `attach_runtime` gave `module`; raises if it has none (used outside hf_moe_offload)."""
+    """The runtime `attach_runtime` gave `module`; raises if it has none (the module runs outside hf_moe_offload)."""
     runtime = module.__dict__.get(RUNTIME_ATTR)
     if runtime is None:
         raise RuntimeError(f"{type(module).__name__} has no offloaded weights attached; its offloaded forward is "

@@ -28,8 +28,9 @@ from torch import nn
 from ..storage.checkpoint import CheckpointError, CheckpointIndex
 from .forward import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, attach_runtime, detach_runtime, matmul_refusal
 from .routing import kind_of, replacement_output, router_kind
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, UnsupportedModelError, checkpoint_key_candidates, \
-    register_arch, release_parameter, restore_parameter, weight_piece
+from ..layout import ExpertPiece, MoELayer, SlabLayout, release_parameter, restore_parameter
+from .base import MoEArch, UnsupportedModelError, checkpoint_key_candidates, register_arch, registered_archs, \
+    weight_piece
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +101,7 @@ def experts_flags(cls: type) -> dict[str, bool] | None:
 
 def _own_adapter(model_type: str) -> bool:
     """Whether another registered adapter (`arch/gpt_oss.py`, ...) offloads `model_type`."""
-    from . import _REGISTRY
-    return any(not isinstance(arch, FusedExpertsArch) and arch.supports(model_type) for arch in _REGISTRY)
+    return any(not isinstance(arch, FusedExpertsArch) and arch.supports(model_type) for arch in registered_archs())
 
 
 def _refusal(cls_name: str, flags: dict[str, bool]) -> str | None:
@@ -247,6 +247,7 @@ class FusedExpertsArch(MoEArch):
     """One adapter for every family with fused experts: they differ only in checkpoint key names and in the config
     attribute that holds the experts per token."""
 
+    reads_fp8_block_scales = True
     # model_type -> (experts class name, per-expert checkpoint names of (gate, up, down), legacy module renames).
     # Known without importing any modeling module; every other family is discovered (`family_for`).
     FAMILIES = {

@@ -26,8 +26,8 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..storage.checkpoint import MXFP4_BLOCK, CheckpointError, CheckpointIndex, Mxfp4Scales
 from .forward import MatmulSlabLayout, matmul_refusal, run_routed_experts, runtime_of
-from . import ExpertPiece, MoEArch, MoELayer, SlabLayout, StackedParams, checkpoint_key_candidates, register_arch, \
-    weight_piece
+from ..layout import ExpertPiece, MoELayer, SlabLayout
+from .base import MoEArch, StackedParams, checkpoint_key_candidates, register_arch, weight_piece
 from .fused import restore_experts_implementation, select_experts_implementation
 
 GPT_OSS_IMPLEMENTATION = "hf_moe_offload_gpt_oss"

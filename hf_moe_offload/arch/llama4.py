@@ -22,8 +22,9 @@ from torch import nn
 
 from ..storage.checkpoint import CheckpointError, CheckpointIndex
 from .forward import MatmulSlabLayout, attach_runtime, matmul_refusal, run_routed_experts, runtime_of
-from . import ExpertFetcher, ExpertPiece, MoEArch, MoELayer, SlabLayout, StackedParams, SwappedExpertsChild, \
-    checkpoint_key_candidates, register_arch, weight_piece
+from ..layout import ExpertPiece, MoELayer, SlabLayout
+from .base import ExpertFetcher, MoEArch, StackedParams, SwappedExpertsChild, checkpoint_key_candidates, \
+    register_arch, weight_piece
 
 PARAMS = {"gate_up": "gate_up_proj", "down": "down_proj"}
 

@@ -12,8 +12,8 @@ from torch import nn
 
 from ..storage.checkpoint import CheckpointError, CheckpointIndex
 from .forward import attach_runtime, expert_linear, run_routed_experts, runtime_of
-from . import ExpertFetcher, ExpertPiece, MoEArch, MoELayer, SlabLayout, SwappedExpertsChild, \
-    checkpoint_key_candidates, register_arch, release_parameter, restore_parameter
+from ..layout import ExpertPiece, MoELayer, SlabLayout, release_parameter, restore_parameter
+from .base import ExpertFetcher, MoEArch, SwappedExpertsChild, checkpoint_key_candidates, register_arch
 
 
 class OffloadedSwitchExperts(nn.Module):
