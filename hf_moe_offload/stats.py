@@ -13,7 +13,8 @@
 - `lookahead_guesses` / `lookahead_used`: router look-ahead guesses of a later layer's experts that were not resident
   (what a read-ahead would read) and those its router then chose, counted in on-demand passes whether or not they
   were read; `lookahead_on`, `lookahead_precision` (recent used / guessed) and `lookahead_break_even`: the state of
-  `prefetch="auto"`'s rule (`runtime.lookahead_gate`), which reads ahead only while the precision is above the break-even;
+  `prefetch="auto"`'s rule (`runtime.lookahead_gate`), which reads ahead only while the precision is above the
+  break-even;
   `lookahead_exposure`: the measured share of a demand read that compute waited for (what a right guess can hide);
   `lookahead_trial`: whether reading ahead, once the precision allows it, measurably lowered the stall per pass
   (alternating blocks of passes with reads off and on: verdict "trial", "on" or "off", and both mean stalls);
@@ -75,7 +76,7 @@ class OffloadStats:
         self.lookahead_precision: float | None = None
         self.lookahead_break_even: float | None = None
         self.lookahead_exposure: float | None = None   # measured share of a demand read exposed as a stall
-        self.lookahead_trial: dict | None = None       # the payoff trial's verdict and stalls (`lookahead_gate.PayoffTrial`)
+        self.lookahead_trial: dict | None = None       # the payoff trial's verdict and stalls (`PayoffTrial`)
         self.reset()
 
     def reset(self) -> None:

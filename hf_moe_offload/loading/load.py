@@ -22,7 +22,7 @@ from ..arch import MoEArch, MoELayer, get_arch
 from ..arch.forward import EXPERTS_IMPLEMENTATION
 from ..layout import ExpertPiece
 from ..memory.cache_group import DevicePlan
-from ..planning.device_map import plan_devices
+from ..planning.device_map import module_map, plan_devices
 from ..planning.footprint import footprint
 from ..planning.resolve import ResolvedPolicy, resolve
 from ..policy.offload_policy import OffloadPolicy, PolicyError
@@ -194,14 +194,5 @@ def _requested_dtype(kwargs: dict, pieces, config=None) -> torch.dtype:
     return named if isinstance(named, torch.dtype) else torch.bfloat16
 
 def _device_map(skeleton: nn.Module, layers: list[MoELayer], device: torch.device) -> dict[str, str]:
-    """Every module that owns tensors goes to `device`, every experts module to "meta" (not loaded)."""
-    expert_names = {lay.name for lay in layers}
-    device_map: dict[str, str] = {}
-    for name, module in skeleton.named_modules():
-        if name in expert_names or any(name.startswith(e + ".") for e in expert_names):
-            continue
-        if next(module.parameters(recurse=False), None) is not None or next(module.buffers(recurse=False), None) \
-                is not None:
-            device_map[name] = str(device)
-    device_map.update({name: "meta" for name in expert_names})
-    return device_map
+    """Without a user's device_map: everything on the policy's device, the experts modules not loaded."""
+    return module_map(skeleton, [lay.name for lay in layers], lambda name: str(device))

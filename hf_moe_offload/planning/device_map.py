@@ -33,7 +33,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from accelerate.utils import get_balanced_memory, get_max_memory, infer_auto_device_map
@@ -159,15 +159,16 @@ def plan_devices(skeleton: nn.Module, layers: Sequence[MoELayer], device_map: An
     resolved, budgets = _budgets(policy, fp, primary, layers, layer_devices, physical, limits, logical_map, skeleton,
                                  dtype, default)
 
-    module_map = _module_map(skeleton, expert_names, logical_map, default, physical)
-    used = {_covering(logical_map, name, default) for name in module_map if name not in expert_names}
+    loaded_map = module_map(skeleton, expert_names,
+                            lambda name: str(physical[_covering(logical_map, name, default)]))
+    used = {_covering(logical_map, name, default) for name in loaded_map if name not in expert_names}
     prefixes = tuple(e + "." for e in expert_names)
     blocks = {name: str(physical[d]) for name, d in logical_map.items()
               if name not in expert_names and not name.startswith(prefixes)}
     blocks.setdefault("", str(physical[default]))
     # Activations cross devices only between blocks: accelerate's hooks move them (not needed on one device).
     hook_map = blocks if len(used | set(layer_devices)) > 1 else None
-    plan = DevicePlan(module_map, hook_map, layer_devices, physical, budgets, primary)
+    plan = DevicePlan(loaded_map, hook_map, layer_devices, physical, budgets, primary)
     logger.info("hf_moe_offload: device_map: MoE layers on %s; expert cache %s",
                 ", ".join(f"{d} ({len(plan.layers_of(d))} layers)" for d in cache_devices),
                 ", ".join(f"{d} {format_bytes(b)}" for d, b in budgets.items()))
@@ -253,10 +254,10 @@ def _covering(logical_map: Mapping[str, str], name: str, default: str) -> str:
     return best
 
 
-def _module_map(skeleton: nn.Module, expert_names: list[str], logical_map: Mapping[str, str], default: str,
-                physical: Mapping[str, torch.device]) -> dict[str, str]:
-    """Every module that owns tensors -> its physical device; every experts module -> "meta" (not loaded)."""
-    module_map: dict[str, str] = {}
+def module_map(skeleton: nn.Module, expert_names: Sequence[str], device_of: Callable[[str], str]) -> dict[str, str]:
+    """What transformers loads with: every module that owns tensors -> `device_of(its name)`, every experts module
+    -> "meta" (not loaded: the store holds the experts)."""
+    placed: dict[str, str] = {}
     prefixes = tuple(e + "." for e in expert_names)
     for name, module in skeleton.named_modules():
         if name in expert_names or name.startswith(prefixes):
@@ -264,9 +265,9 @@ def _module_map(skeleton: nn.Module, expert_names: list[str], logical_map: Mappi
         owns = any(t is not None for t in module._parameters.values()) or any(
             t is not None for t in module._buffers.values())
         if owns:
-            module_map[name] = str(physical[_covering(logical_map, name, default)])
-    module_map.update(dict.fromkeys(expert_names, "meta"))
-    return module_map
+            placed[name] = device_of(name)
+    placed.update(dict.fromkeys(expert_names, "meta"))
+    return placed
 
 
 def _weight(device: str, limits: Mapping[str, int]) -> int:

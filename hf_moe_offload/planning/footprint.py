@@ -155,6 +155,12 @@ def workload(policy: OffloadPolicy, fp: Footprint) -> tuple[int, int]:
     return batch, min(fp.max_positions or DEFAULT_MAX_SEQ_LEN, DEFAULT_MAX_SEQ_LEN)
 
 
+def auto_store(expert_bytes: int, resident_bytes: int, on_cpu: bool, host_bytes: float) -> str:
+    """The store "auto" picks: "cpu" (experts in host memory) when they fit in `host_bytes`, beside the resident
+    part when that computes on the CPU too; "disk" otherwise."""
+    return "cpu" if expert_bytes + (resident_bytes if on_cpu else 0) <= host_bytes else "disk"
+
+
 def free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)

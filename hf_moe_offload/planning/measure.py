@@ -35,7 +35,8 @@ LayerOverhead = Callable[[str, float], tuple[float, float]]
 def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_threads: int = 4,
             memcpy_bytes: int = 256 << 20, matmul_hidden: int = 2048, matmul_large_rows: int = 256,
             seconds_per_kernel: float = 0.25, device: str | None = None, name: str | None = None,
-            layer_overhead: LayerOverhead | None = None, expert_hidden: int = 1024, expert_rows: tuple[int, ...] = EXPERT_CURVE_ROWS,
+            layer_overhead: LayerOverhead | None = None, expert_hidden: int = 1024,
+            expert_rows: tuple[int, ...] = EXPERT_CURVE_ROWS,
             cold_bytes: int = 256 << 20) -> MachineProfile:
     """Measure this machine with torch's current thread count. `layer_overhead(device, seconds)`, when given,
     times the framework's share of a decode step on a real offloaded model (the CLI passes the demo model's,

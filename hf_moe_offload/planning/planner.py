@@ -44,7 +44,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..arch import get_arch
 from ..policy.offload_policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
 from ..runtime.pass_scheduler import expected_experts, is_wide_pass
-from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, footprint
+from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, auto_store, footprint
 from .profile import MachineProfile
 
 logger = logging.getLogger(__name__)
@@ -426,10 +426,9 @@ def make_plan(shape: ModelShape, profile: MachineProfile, batch: int, prompt_len
     if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1:
         raise PolicyError(f"device_memory must be a number of bytes >= 1, got {device_memory!r}")
     if store is None:   # as "auto" decides: experts in host memory when they fit beside the rest
-        host_needed = shape.all_expert_bytes + (shape.resident_bytes if device == "cpu" else 0)
         # On the CPU device host-memory experts are used in place: they count against the budget too.
         limit = min(host_budget, device_memory) if device == "cpu" else host_budget
-        store = "cpu" if host_needed <= limit else "disk"
+        store = auto_store(shape.all_expert_bytes, shape.resident_bytes, device == "cpu", limit)
     if store not in ("cpu", "disk"):
         raise PolicyError(f"store must be 'cpu' or 'disk', got {store!r}")
     best: tuple[float, Plan] | None = None

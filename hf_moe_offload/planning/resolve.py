@@ -28,7 +28,8 @@ from ..policy.offload_policy import (
     parse_size,
 )
 from .auto_plan import plan_for_policy
-from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, auto_device, free_bytes, headroom_bytes, workload
+from .footprint import (CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, auto_device, auto_store, free_bytes,
+                        headroom_bytes, workload)
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +133,8 @@ def _store(policy: OffloadPolicy, device: torch.device, fp: Footprint) -> tuple[
     if device.type == "cpu" and policy.expert_cache != AUTO:
         return "disk", (f" (expert_cache={_short(policy.expert_cache)} given for the CPU device: experts in host "
                         f"memory would be used in place and the budget ignored; the disk store keeps it)")
-    needed = fp.expert_bytes + (fp.resident_bytes if device.type == "cpu" else 0)
     available = psutil.virtual_memory().available * (1 - HOST_HEADROOM)
-    return ("cpu" if needed <= available else "disk"), ""
+    return auto_store(fp.expert_bytes, fp.resident_bytes, device.type == "cpu", available), ""
 
 
 def _given_cache(expert_cache: int | str, fp: Footprint, zero_copy: bool) -> int:
