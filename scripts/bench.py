@@ -33,7 +33,7 @@ What it does, in one invocation:
    forward), hit rate, peak RSS, peak device memory (``torch.cuda.max_memory_allocated``), greedy-token agreement
    with ``resident`` (else ``accelerate``) at the same batch size, and the bound ``bandwidth / bytes that must move
    per token`` where the bandwidth is the slowest link the bytes cross (disk when evicted, pinned H2D on CUDA).
-   Issue 8's bound per row: batch / max(the resident row's step time at that batch, bytes that must move per step
+   The bound per row: batch / max(the resident row's step time at that batch, bytes that must move per step
    / store-like bandwidth), where hf_moe_offload must move its resident-set floor ((experts the step touched -
    cache slots) x expert bytes, from its own routing); disk bytes per step beside that floor and beside the best
    fixed resident set's (the cache's slots filled with the experts touched in the most steps); speed vs accelerate.
@@ -52,7 +52,7 @@ Example:
     python scripts/bench.py --small --out /tmp/bench_small
     # the documented benchmark (4-9 minutes on 2 shared cores): benchmarks/results/cpu_mixtral_1.5gb.{json,png}
     python scripts/bench.py --threads 1 --idle-wait 30
-    # issue 8's throughput regime (~10 minutes on 2 shared cores, model built; estimates logged before the rows):
+    # the throughput regime (~10 minutes on 2 shared cores, model built; estimates logged before the rows):
     # batches 8 32 128, 64-token prompts, generate_batch over 128 prompts vs static batches of 32
     #   -> benchmarks/results/cpu_mixtral_1.5gb_throughput.{json,png}
     python scripts/bench.py --throughput --threads 1 --idle-wait 30
@@ -68,7 +68,7 @@ Example:
     # GPU smoke run (2 layers, 16-token prompts, 4 new tokens, 16 GiB cap)
     #   -> benchmarks/results/gpu_mixtral8x7b_<gpu name>_quick.{json,png}
     HF_HUB_OFFLINE=1 python scripts/bench.py --device cuda --quick
-    # GPU, issue 8's large batches: CPU attention, whole batch against two micro-batches (CGOPipe's overlap)
+    # GPU, the large batches: CPU attention, whole batch against two micro-batches (CGOPipe's overlap)
     HF_HUB_OFFLINE=1 python scripts/bench.py --device cuda --stores cpu --caps-gib 16 --batch-sizes 64 128 256 \
         --systems accelerate hf_moe_offload_layer hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2
 """
@@ -111,7 +111,7 @@ EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", *(f"hf_moe_offload_{q}_same_bytes" 
                  "hf_moe_offload_cpu_attention", "hf_moe_offload_cpu_attention_mb2")
 SYSTEMS = (*DENSE_SYSTEMS, *(f"hf_moe_offload_{q}" for q in QUANTIZATIONS), *EXTRA_SYSTEMS)  # quantized: --quantize
 OURS_POLICY = {"device": "cpu", "store": "disk", "expert_cache": "25%", "eviction": "lru"}
-# hf_moe_offload systems: the issue's policy (LRU) and the same with the library's default layer-aware eviction;
+# hf_moe_offload systems: LRU eviction (LRU) and the same with the library's default layer-aware eviction;
 # --quantize adds the default eviction with experts stored quantized (approximate: tokens may differ from resident).
 POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLICY, "eviction": "layer"},
             **{f"hf_moe_offload_{q}": {**OURS_POLICY, "eviction": "layer", "quantize": q} for q in QUANTIZATIONS},
@@ -142,7 +142,7 @@ DEVICE_DEFAULTS: dict[str, dict[str, Any]] = {
              "stores": ["cpu", "disk"], "cb_prompts": 0, "cb_static_batch": 32},
 }
 QUICK = {"layers": 2, "prompt_len": 16, "new_tokens": 4, "warmup_tokens": 1, "caps_gib": [16.0]}
-# Issue 8's throughput regime on the CPU: batches that touch every expert, prompts long enough that prefill is a
+# The throughput regime on the CPU: batches that touch every expert, prompts long enough that prefill is a
 # real pass (64 x 128 = 8192 tokens), and continuous batching over 128 mixed-length prompts.
 THROUGHPUT = {"systems": ["resident", "accelerate", "hf_moe_offload_layer"], "batch_sizes": [8, 32, 128],
               "prompt_len": 64, "new_tokens": 16, "warmup_tokens": 1, "cb_prompts": 128, "cb_static_batch": 32}
@@ -1397,7 +1397,7 @@ def must_move_per_pass(r: dict, one_expert_bytes: int) -> tuple[float, float, st
 
 
 def pass_bound(tokens: float, compute_s: float, must_move: float, bandwidth: float | None) -> float:
-    """Issue 8's bound for one pass: tokens / max(compute time, bytes that must move / bandwidth)."""
+    """The bound for one pass: tokens / max(compute time, bytes that must move / bandwidth)."""
     io_s = must_move / bandwidth if bandwidth else 0.0
     return tokens / max(compute_s, io_s)
 
@@ -1426,7 +1426,7 @@ def row_bound(results: list[dict], r: dict, one_expert_bytes: int, store_bytes_p
 
 def add_bounds(results: list[dict], one_expert_bytes: int, store_bytes_per_s: float | None,
                median_bytes_per_s: float | None = None) -> None:
-    """Per row (in place): issue 8's bound and the share of it reached, disk bytes per decode step beside the
+    """Per row (in place): the bound and the share of it reached, disk bytes per decode step beside the
     resident-set floor, and decode/prefill speed relative to accelerate at the same batch. The bound takes the best
     bandwidth sample (the physical limit); this disk swings 2x between samples, so the share of the bound at the
     median sample is recorded beside it (`decode_over_median_bound`)."""
@@ -1466,7 +1466,7 @@ def mb(x: float | None) -> str:
 
 
 def markdown_table(results: list[dict]) -> str:
-    """One line per row. bound: issue 8's (batch / max(resident step time, bytes that must move per step / store-like
+    """One line per row. bound: the (batch / max(resident step time, bytes that must move per step / store-like
     read bandwidth)); I/O ceiling: the older per-token one (sequential bandwidth / bytes moved per token)."""
     header = ("| system | store | cap GiB | batch | load s | prefill tok/s | prefill / bound | decode tok/s | "
               "bound tok/s | decode / bound | decode / bound at median bw | vs accelerate | I/O ceiling tok/s | "
@@ -1686,7 +1686,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--small", action="store_true", help=f"small shape for a CPU smoke run ({SMALL.tag})")
     p.add_argument("--tiny", action="store_true", help=f"the smallest shape, for tests ({TINY.tag})")
     p.add_argument("--throughput", action="store_true",
-                   help="issue 8's throughput regime: batches 8 32 128, 64-token prompts, systems resident accelerate "
+                   help="the throughput regime: batches 8 32 128, 64-token prompts, systems resident accelerate "
                         "hf_moe_offload_layer, and generate_batch over 128 mixed-length prompts vs static batches of 32")
     for dim in ("hidden", "intermediate", "layers", "experts", "top-k", "heads", "kv-heads", "vocab"):
         p.add_argument(f"--{dim}", type=int, default=None,
@@ -1698,7 +1698,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "the default eviction, quantize=int8 or int4 with the default group size), beside the "
                         "dense rows; the quantized folder is written once under --workdir")
     p.add_argument("--systems", nargs="+", default=None, choices=SYSTEMS,
-                   help="hf_moe_offload uses eviction='lru' (the issue's policy); hf_moe_offload_layer the library's "
+                   help="hf_moe_offload uses eviction='lru' (LRU eviction); hf_moe_offload_layer the library's "
                         "default eviction='layer' (cpu: all four; cuda: resident accelerate hf_moe_offload_layer)")
     p.add_argument("--stores", nargs="+", default=None, choices=("cpu", "disk"),
                    help="cuda: where the offloaded experts live (default: cpu disk); the CPU benchmark reads disk")

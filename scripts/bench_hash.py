@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""When does SiDA's hash prefetch pay? (issue 10, part 3). Greedy decoding of held-out prompts on the demo model,
+"""When does SiDA's hash prefetch pay?. Greedy decoding of held-out prompts on the demo model,
 experts on disk, device CPU, at each expert-cache budget, per mode:
 
 - ``lru``: LRU eviction, no prefetch; ``layer``: the default eviction, no prefetch; ``lookahead``:

@@ -1,5 +1,5 @@
 """Wall time of an lm-eval loglikelihood task at `--batch_size 32`: hf_moe_offload vs lm-eval's `hf` model on
-accelerate's `device_map` disk offload of the experts, same scores (issue 8, "lm-eval").
+accelerate's `device_map` disk offload of the experts, same scores.
 
 The model is `scripts/bench.py`'s 1.59 GB random Mixtral shape with the demo model's vocabulary (2048 tokens) and
 tokenizer, so lm-eval can tokenize; the task is the shipped `hfmo_pydoc_cloze` (84 four-way multiple-choice

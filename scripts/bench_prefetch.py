@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Benchmark SiDA hash prefetching (issue 3, "Measured") on the trained demo Mixtral and a tiny trained Switch model.
+"""Benchmark SiDA hash prefetching on the trained demo Mixtral and a tiny trained Switch model.
 
 For each model:
 

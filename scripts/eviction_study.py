@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Issue 10, "Measured" (counts, not timings): hit rate and bytes per token at 25% and 50% expert cache, batch 1,
+"""Counts, not timings: hit rate and bytes per token at 25% and 50% expert cache, batch 1,
 for eviction LRU / layer / look-ahead, Belady's optimum, router look-ahead prefetch none / auto / on, the hash
 prefetcher and an oracle prefetcher.
 

@@ -707,7 +707,7 @@ def test_e26_quantized_experts_with_auto_compute_calibrate_in_the_compute_dtype(
     assert hf_moe_offload.stats(auto)["cpu_flops"] > 0
 
 
-# -- a user's device_map next to offload_policy (issue 11 parts 2-3; CPU stand-ins: tests/test_device_map.py) -------
+# -- a user's device_map next to offload_policy (CPU stand-ins: tests/test_device_map.py) -------
 
 def _with_map(path: str, device_map, policy: dict, **kwargs):
     from transformers import AutoModelForCausalLM
@@ -772,7 +772,7 @@ def test_device_map_auto_with_max_memory_on_a_gpu_keeps_tokens(tiny_models):
     assert 0 < hf_moe_offload.stats(model)["peak_cache_bytes"] <= cache.num_slots * cache.slot_bytes
 
 
-# -- micro-batches on the GPU (issue 8 part 2) ----------------------------------------------------------------------
+# -- micro-batches on the GPU ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])
 @pytest.mark.parametrize("attention", ["cpu", "device"])

@@ -1,4 +1,4 @@
-"""offload_policy next to a user's device_map / max_memory (issue 11 parts 2-3): same tokens and logits as the
+"""offload_policy next to a user's device_map / max_memory: same tokens and logits as the
 unpatched model; several devices get one cache each, with its own budget and copy engine, serving only its layers
 (two logical devices backed by the CPU stand in for two GPUs); bad maps are refused before anything is allocated."""
 

@@ -1,4 +1,4 @@
-"""Look-ahead eviction, prefetch="auto" and the Belady simulator (issue 10 parts 1 and 2): exact tokens, the budget
+"""Look-ahead eviction, prefetch="auto" and the Belady simulator: exact tokens, the budget
 with prefetches in flight, in-use experts never evicted, the optimum on known traces, and the auto rule's decisions."""
 
 from __future__ import annotations
