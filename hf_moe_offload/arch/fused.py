@@ -24,13 +24,21 @@ import re
 
 import torch
 from torch import nn
+from transformers.models.auto.configuration_auto import model_type_to_module_name
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+from ..layout import ExpertPiece, MoELayer, SlabLayout, release_parameter, restore_parameter
 from ..storage.checkpoint import CheckpointError, CheckpointIndex
+from .base import (
+    MoEArch,
+    UnsupportedModelError,
+    checkpoint_key_candidates,
+    register_arch,
+    registered_archs,
+    weight_piece,
+)
 from .forward import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, attach_runtime, detach_runtime, matmul_refusal
 from .routing import kind_of, replacement_output, router_kind
-from ..layout import ExpertPiece, MoELayer, SlabLayout, release_parameter, restore_parameter
-from .base import MoEArch, UnsupportedModelError, checkpoint_key_candidates, register_arch, registered_archs, \
-    weight_piece
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +121,7 @@ def _checkpoint_names(model_type: str) -> tuple[tuple[str, str, str] | None, tup
     """Per-expert names, module renames, fused-key renames and interleaved fused gate_up keys of `model_type`, from
     transformers' checkpoint conversion mapping (what its own loader applies to Hub checkpoints)."""
     try:
+        # inside the try: an older transformers has no conversion mapping module
         from transformers.conversion_mapping import get_checkpoint_conversion_mapping
         conversions = get_checkpoint_conversion_mapping(model_type) or []
     except Exception:   # noqa: BLE001  (an older transformers: fall back to the known names)
@@ -167,7 +176,6 @@ def _deinterleaves_rows(conv) -> bool:
 
 
 def _modeling_module(model_type: str):
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
     name = model_type_to_module_name(model_type)
     return importlib.import_module(f"transformers.models.{name}.modeling_{name}")
 
@@ -208,7 +216,6 @@ def discover_families() -> dict[str, Family]:
         >>> discover_families()["nemotron_h"].expert_names         # gateless: (up, down)
         ('up_proj', 'down_proj')
     """
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     found = dict(FusedExpertsArch.FAMILIES_BY_TYPE)
     for model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         if model_type not in found and (family := discover_family(model_type)) is not None:
