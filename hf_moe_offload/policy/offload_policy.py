@@ -12,8 +12,10 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -34,6 +36,12 @@ SCHEDULES = ("auto", "on_demand", "stream")
 DEFAULT_STREAM_WINDOW = 2        # stream_window="auto"
 DEFAULT_MAX_BATCH_SIZE = 1       # max_batch_size="auto"
 DEFAULT_MAX_SEQ_LEN = 4096       # max_seq_len="auto" caps the model's max_position_embeddings at this
+# Upper bounds of the workload hints: above them the KV cache alone is more than any machine holds, and the budget
+# rule would only report an expert cache of 0 B. Models' contexts reach about ten million tokens.
+MAX_BATCH_SIZE = 1 << 16
+MAX_SEQ_LEN = 1 << 24
+# A size given as a bare number string below this is taken for a forgotten "%" or unit ("25" meant "25%").
+BARE_SIZE_FLOOR = 1 << 20
 
 # Preset name -> field overrides applied on top of the defaults (every default is "auto" or a safe choice).
 PRESETS: dict[str, dict[str, Any]] = {
@@ -60,6 +68,20 @@ ALLOWED_SIZES = ("allowed: a whole number of bytes >= 0 (an int), a size such as
 def _quoted(*names: str) -> str:
     """Allowed names as the docs show them (the policy table's "values" column)."""
     return ", ".join(f'"{name}"' for name in names)
+
+
+def did_you_mean(value: Any, allowed: "list[str] | tuple[str, ...]") -> str:
+    """'; did you mean "x"?' for a string close to one of `allowed` (the end of an error message), else "".
+
+    Example:
+        >>> did_you_mean("disc", ["cpu", "disk"]), did_you_mean("gpu", ["cpu", "device"])
+        ('; did you mean "disk"?', '')
+    """
+    if not isinstance(value, str):
+        return ""
+    # 0.7: one letter off in a short name ("disc", "atuo"), but not "gpu" for "cpu" (a GPU is "device")
+    close = difflib.get_close_matches(value.strip().lower(), [str(a) for a in allowed], n=1, cutoff=0.7)
+    return f'; did you mean "{close[0]}"?' if close else ""
 
 
 class PolicyError(ValueError):
@@ -98,7 +120,8 @@ class OffloadPolicy:
                           'expert bytes ("25%", at most "100%"), or "auto" (device memory left after the resident '
                           'part, the KV cache and activations; see max_batch_size, max_seq_len). A size above all '
                           'expert bytes is capped to them. With device and store on the CPU, experts are used in '
-                          'place and a budget below 100% is refused (use store="disk").'},
+                          'place and a budget below 100% is refused (use store="disk"). A bare number string '
+                          'below 1 MiB ("25") is refused as a forgotten "%" or unit; give so few bytes as an int.'},
     )
     eviction: str = field(
         default="layer",
@@ -138,14 +161,14 @@ class OffloadPolicy:
     max_batch_size: int | str = field(
         default=AUTO,
         metadata={"short": "Hint for expert_cache='auto': sequences run at once; auto: 1",
-                  "values": '"auto", an int >= 1',
+                  "values": f'"auto", an int from 1 to {MAX_BATCH_SIZE}',
                   "help": 'Most sequences run at once (generate batch), a hint for expert_cache="auto": the device '
                           'memory left to the KV cache and activations grows with it; "auto": 1.'},
     )
     max_seq_len: int | str = field(
         default=AUTO,
         metadata={"short": "Hint for expert_cache='auto': longest prompt + new tokens",
-                  "values": '"auto", an int >= 1',
+                  "values": f'"auto", an int from 1 to {MAX_SEQ_LEN}',
                   "help": 'Longest sequence (prompt + new tokens), a hint for expert_cache="auto" like '
                           'max_batch_size; "auto": the model\'s max_position_embeddings, at most '
                           f'{DEFAULT_MAX_SEQ_LEN}.'},
@@ -238,45 +261,32 @@ class OffloadPolicy:
         if isinstance(value, str):
             if value not in PRESETS:
                 raise PolicyError(f"unknown offload_policy preset {value!r}; allowed presets: {sorted(PRESETS)}, "
-                                  f"or a dict with keys {field_names()}, or an OffloadPolicy")
+                                  f"or a dict with keys {field_names()}, or an OffloadPolicy"
+                                  f"{did_you_mean(value, sorted(PRESETS))}")
             return cls(**PRESETS[value]).validate()
         if isinstance(value, Mapping):
-            unknown = sorted(set(value) - set(field_names()))
+            unknown = sorted((k for k in value if k not in field_names()), key=str)
             if unknown:
-                raise PolicyError(f"unknown offload_policy key(s) {unknown}; allowed keys: {field_names()}")
+                hints = "".join(f"; {k!r}: {hint[2:]}" for k in unknown if (hint := did_you_mean(k, field_names())))
+                raise PolicyError(f"unknown offload_policy key(s) {unknown}; allowed keys: {field_names()}{hints}")
             return cls(**dict(value)).validate()
         raise PolicyError(f"offload_policy must be an OffloadPolicy, a dict or a preset name {sorted(PRESETS)}, "
                           f"not {type(value).__name__}")
 
     def validate(self) -> "OffloadPolicy":
-        """Check every field's value (not yet against the machine or the model); return self."""
+        """Check every field's type and value (not yet against the machine or the model); return self."""
         if self.device != AUTO:
             self.device = str(normalize_device(self.device))
-        if self.store not in (AUTO, *STORES):
-            raise PolicyError(f"store={self.store!r} is not allowed; allowed: {[AUTO, *STORES]}")
-        if self.eviction not in EVICTIONS:
-            raise PolicyError(f"eviction={self.eviction!r} is not allowed; allowed: {list(EVICTIONS)}")
+        for name, allowed in _CHOICES.items():
+            _check_choice(name, getattr(self, name), allowed)
         if self.expert_cache != AUTO:
             parse_size(self.expert_cache, total=1)  # raises on a malformed size
-        self.max_batch_size = parse_count("max_batch_size", self.max_batch_size)
-        self.max_seq_len = parse_count("max_seq_len", self.max_seq_len)
-        if self.schedule not in SCHEDULES:
-            raise PolicyError(f"schedule={self.schedule!r} is not allowed; allowed: {list(SCHEDULES)}")
-        self.stream_window = parse_count("stream_window", self.stream_window)
-        self.micro_batches = parse_count("micro_batches", self.micro_batches)
-        if self.prefetch not in PREFETCHERS:
-            raise PolicyError(f"prefetch={self.prefetch!r} is not allowed; allowed: {list(PREFETCHERS)}")
-        if self.quantize not in QUANTIZATIONS:
-            raise PolicyError(f"quantize={self.quantize!r} is not allowed; allowed: {list(QUANTIZATIONS)}")
+        for name in ("max_batch_size", "max_seq_len", "stream_window", "micro_batches"):
+            setattr(self, name, parse_count(name, getattr(self, name)))
         self.quant_group_size = parse_count("quant_group_size", self.quant_group_size)
         if self.quant_group_size not in (AUTO, 32, 64, 128, 256):
             raise PolicyError(f"quant_group_size={self.quant_group_size!r} is not allowed; allowed: 32, 64, 128, "
                               f"256 or 'auto' ({DEFAULT_INT4_GROUP_SIZE})")
-        if self.expert_compute not in EXPERT_COMPUTES:
-            raise PolicyError(f"expert_compute={self.expert_compute!r} is not allowed; allowed: "
-                              f"{list(EXPERT_COMPUTES)}")
-        if self.attention not in ATTENTIONS:
-            raise PolicyError(f"attention={self.attention!r} is not allowed; allowed: {list(ATTENTIONS)}")
         layers = self.resident_layers
         if isinstance(layers, str) and re.fullmatch(r"\s*[0-9]+\s*", layers):
             layers = int(layers)
@@ -284,8 +294,16 @@ class OffloadPolicy:
             raise PolicyError(f"resident_layers={self.resident_layers!r} is not allowed; allowed: a whole number "
                               f">= 0 (0: no layer's experts pinned on the device)")
         self.resident_layers = layers
-        if self.routing not in ROUTINGS:
-            raise PolicyError(f"routing={self.routing!r} is not allowed; allowed: {list(ROUTINGS)}")
+        if self.predictor is not None and not isinstance(self.predictor, (str, os.PathLike)):
+            raise PolicyError(f"predictor={self.predictor!r} has type {type(self.predictor).__name__}; allowed: a "
+                              f"directory (a string or path) or a Hub repo id 'owner/name', or None")
+        if isinstance(self.predictor, os.PathLike):
+            self.predictor = os.fspath(self.predictor)
+        self._check_combinations()
+        return self
+
+    def _check_combinations(self) -> None:
+        """Fields that cannot run together: a predictor's modes need one, and whole-batch predictions."""
         needs_predictor = [f"{name}={value!r}" for name, value in (("prefetch", self.prefetch),
                                                                   ("routing", self.routing))
                            if value in ("hash", "predicted")]
@@ -296,10 +314,24 @@ class OffloadPolicy:
         if needs_predictor and not self.predictor:
             raise PolicyError(f"{' and '.join(needs_predictor)} needs a predictor: set predictor='<directory "
                               f"written by scripts/train_hash.py>'")
-        return self
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+# The fields whose value is one of a few names (device is parsed by `normalize_device`).
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "store": (AUTO, *STORES), "eviction": EVICTIONS, "prefetch": PREFETCHERS, "routing": ROUTINGS,
+    "schedule": SCHEDULES, "quantize": QUANTIZATIONS, "expert_compute": EXPERT_COMPUTES, "attention": ATTENTIONS,
+}
+
+
+def _check_choice(name: str, value: Any, allowed: tuple[str, ...]) -> None:
+    """Refuse a value of `name` that is not one of `allowed`: another type, or a name (with the closest one)."""
+    if not isinstance(value, str):
+        raise PolicyError(f"{name}={value!r} has type {type(value).__name__}, not a name; allowed: {list(allowed)}")
+    if value not in allowed:
+        raise PolicyError(f"{name}={value!r} is not allowed; allowed: {list(allowed)}{did_you_mean(value, allowed)}")
 
 
 def policy_value(text: str) -> str | dict[str, Any]:
@@ -329,6 +361,8 @@ def field_names() -> list[str]:
 
 def normalize_device(device: str | int | torch.device) -> torch.device:
     """Parse a device and check that it exists on this machine."""
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise PolicyError(f"device={device!r} has type {type(device).__name__}; allowed: 'cpu', 'cuda:N' or 'auto'")
     try:
         dev = torch.device(f"cuda:{device}" if isinstance(device, int) else device)
     except (RuntimeError, TypeError) as err:
@@ -374,8 +408,15 @@ def parse_size(value: int | float | str, total: int) -> int:
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             unit = _UNITS[m.group(2).lower()]
-            return _whole_bytes(value, Fraction(m.group(1)) * unit, rounded=unit > 1)
-    raise _size_error(value, "is not a size")
+            amount = _whole_bytes(value, Fraction(m.group(1)) * unit, rounded=unit > 1)
+            if not m.group(2) and 0 < amount < BARE_SIZE_FLOOR:
+                raise PolicyError(f"expert_cache={value!r} would be {amount} bytes: a share of all expert bytes "
+                                  f"needs '%' ({m.group(1).strip()}%), a size a unit ({m.group(1).strip()}MiB, "
+                                  f"{m.group(1).strip()}GiB); give so few bytes as an int ({amount})")
+            return amount
+    if isinstance(value, str):
+        raise PolicyError(f"expert_cache={value!r} is not a size; {ALLOWED_SIZES}{did_you_mean(value, [AUTO])}")
+    raise _size_error(value, f"has type {type(value).__name__}, not a size")
 
 
 def _whole_bytes(value: Any, amount: Fraction, rounded: bool) -> int:
@@ -400,7 +441,8 @@ def _size_error(value: Any, reason: str) -> PolicyError:
 
 
 def parse_count(name: str, value: int | str) -> int | str:
-    """A workload hint: "auto", or a whole number >= 1 given as an int or a digit string (command-line flags).
+    """A count: "auto", or a whole number >= 1 given as an int or a digit string (command-line flags); the
+    workload hints `max_batch_size` and `max_seq_len` also at most `MAX_BATCH_SIZE` / `MAX_SEQ_LEN`.
 
     Example:
         >>> parse_count("max_batch_size", "8"), parse_count("max_seq_len", "auto")
@@ -411,8 +453,18 @@ def parse_count(name: str, value: int | str) -> int | str:
     if isinstance(value, str) and re.fullmatch(r"\s*[0-9]+\s*", value):
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise PolicyError(f"{name}={value!r} is not allowed; allowed: a whole number >= 1, or 'auto'")
+        raise PolicyError(f"{name}={value!r} is not allowed; allowed: a whole number >= 1, or 'auto'"
+                          f"{did_you_mean(value, [AUTO])}")
+    bound = _COUNT_BOUNDS.get(name)
+    if bound is not None and value > bound[0]:
+        raise PolicyError(f"{name}={value} is more than {bound[0]} {bound[1]}; allowed: a whole number from 1 to "
+                          f"{bound[0]}, or 'auto'")
     return value
+
+
+# Counts with an upper bound: (bound, what it counts, for the message).
+_COUNT_BOUNDS = {"max_batch_size": (MAX_BATCH_SIZE, "sequences at once"),
+                 "max_seq_len": (MAX_SEQ_LEN, "tokens per sequence (longer than any model's context)")}
 
 
 def format_bytes(n: float) -> str:
