@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import json
+import logging
 import math
 import os
 import re
@@ -22,6 +23,8 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 STORES = ("cpu", "disk")
@@ -40,7 +43,7 @@ DEFAULT_MAX_SEQ_LEN = 4096       # max_seq_len="auto" caps the model's max_posit
 # rule would only report an expert cache of 0 B. Models' contexts reach about ten million tokens.
 MAX_BATCH_SIZE = 1 << 16
 MAX_SEQ_LEN = 1 << 24
-# A size given as a bare number string below this is taken for a forgotten "%" or unit ("25" meant "25%").
+# A size given as a bare number string below this is probably a forgotten "%" or unit ("25" meant "25%"): warned.
 BARE_SIZE_FLOOR = 1 << 20
 
 # Preset name -> field overrides applied on top of the defaults (every default is "auto" or a safe choice).
@@ -121,7 +124,7 @@ class OffloadPolicy:
                           'part, the KV cache and activations; see max_batch_size, max_seq_len). A size above all '
                           'expert bytes is capped to them. With device and store on the CPU, experts are used in '
                           'place and a budget below 100% is refused (use store="disk"). A bare number string '
-                          'below 1 MiB ("25") is refused as a forgotten "%" or unit; give so few bytes as an int.'},
+                          'below 1 MiB ("25": bytes) logs a warning that a share needs "%" ("25%").'},
     )
     eviction: str = field(
         default="layer",
@@ -280,7 +283,7 @@ class OffloadPolicy:
         for name, allowed in _CHOICES.items():
             _check_choice(name, getattr(self, name), allowed)
         if self.expert_cache != AUTO:
-            parse_size(self.expert_cache, total=1)  # raises on a malformed size
+            _warn_bare_size(self.expert_cache, parse_size(self.expert_cache, total=1))   # raises if malformed
         for name in ("max_batch_size", "max_seq_len", "stream_window", "micro_batches"):
             setattr(self, name, parse_count(name, getattr(self, name)))
         self.quant_group_size = parse_count("quant_group_size", self.quant_group_size)
@@ -408,12 +411,7 @@ def parse_size(value: int | float | str, total: int) -> int:
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             unit = _UNITS[m.group(2).lower()]
-            amount = _whole_bytes(value, Fraction(m.group(1)) * unit, rounded=unit > 1)
-            if not m.group(2) and 0 < amount < BARE_SIZE_FLOOR:
-                raise PolicyError(f"expert_cache={value!r} would be {amount} bytes: a share of all expert bytes "
-                                  f"needs '%' ({m.group(1).strip()}%), a size a unit ({m.group(1).strip()}MiB, "
-                                  f"{m.group(1).strip()}GiB); give so few bytes as an int ({amount})")
-            return amount
+            return _whole_bytes(value, Fraction(m.group(1)) * unit, rounded=unit > 1)
     if isinstance(value, str):
         raise PolicyError(f"expert_cache={value!r} is not a size; {ALLOWED_SIZES}{did_you_mean(value, [AUTO])}")
     raise _size_error(value, f"has type {type(value).__name__}, not a size")
@@ -438,6 +436,16 @@ def _share(value: str, percent: Fraction, total: int) -> int:
 
 def _size_error(value: Any, reason: str) -> PolicyError:
     return PolicyError(f"expert_cache={value!r} {reason}; {ALLOWED_SIZES}")
+
+
+def _warn_bare_size(value: Any, amount: int) -> None:
+    """Warn about a bare number string of a few bytes: bytes on a command line are digits, so it is kept, but
+    "25" almost always meant "25%" or "25GiB" (the budget check would then refuse a cache of 25 bytes anyway)."""
+    if isinstance(value, str) and value.strip().isdigit() and 0 < amount < BARE_SIZE_FLOOR:
+        number = value.strip()
+        logger.warning("hf_moe_offload: expert_cache=%r is read as %d bytes; a share of all expert bytes needs "
+                       "'%%' (%s%%), a size a unit (%sMiB, %sGiB); give so few bytes as an int (%d) to silence "
+                       "this", value, amount, number, number, number, amount)
 
 
 def parse_count(name: str, value: int | str) -> int | str:
