@@ -80,9 +80,12 @@ def test_profile_file_accepted_and_malformed_refused_naming_the_field(tmp_path):
 
 def test_measure_smoke_saves_and_loads(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_MOE_OFFLOAD_CACHE", str(tmp_path))
+    # Tiny sizes everywhere: the expert curve's defaults (hidden 1024, rows up to 1024, 256 MiB of cold experts)
+    # would take seconds of bf16 matmuls, and a slow CPU's bf16 is several times slower still.
     p = measure(disk_piece_bytes=1 << 16, disk_pieces=4, memcpy_bytes=1 << 20, matmul_hidden=64, matmul_large_rows=8,
-                seconds_per_kernel=0.001, device="cpu")
+                seconds_per_kernel=0.001, device="cpu", expert_hidden=64, expert_rows=(1, 8), cold_bytes=1 << 20)
     assert not p.has_device and p.disk_read_bytes_per_s > 0 and p.cpu_flops_bf16_large > 0
+    assert sorted(p.cpu_expert_flops_bf16, key=int) == ["1", "8"] and p.cpu_elementwise_fp32_per_s > 0
     saved = p.save()
     assert saved == tmp_path / "profile.json"
     assert load_profile() == p
