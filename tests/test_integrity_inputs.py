@@ -4,13 +4,20 @@ hints beyond any machine."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import re
 from pathlib import Path
 
 import pytest
 
+import hf_moe_offload
 from hf_moe_offload import OffloadPolicy, PolicyError
+from hf_moe_offload.planning.auto_plan import PLANNED_FIELDS
+from hf_moe_offload.planning.profile import MachineProfile, ProfileError, shipped_profile_path
 from hf_moe_offload.policy.offload_policy import MAX_BATCH_SIZE, MAX_SEQ_LEN, did_you_mean
+from conftest import offloaded
 
 
 # -- policy: types, near misses, bounds ----------------------------------------------------------------------------
@@ -93,3 +100,88 @@ def test_workload_hints_have_bounds_that_name_them(field, bound):
         OffloadPolicy.from_any({field: bound + 1})
     with pytest.raises(PolicyError, match=rf"^{field}=10{'0' * 30} is more than"):
         OffloadPolicy.from_any({field: str(10 ** 31)})
+
+
+# -- the machine profile: a damaged cache never stops a load, and is written atomically ----------------------------
+
+def _t4() -> dict:
+    return json.loads(shipped_profile_path("t4").read_text())
+
+
+def _with(**fields) -> bytes:
+    return json.dumps({**_t4(), **fields}).encode()
+
+
+DAMAGED_PROFILES = {
+    "not UTF-8": b'\xff\xfe{"version": 1}',
+    "an integer too large for a float": _with(disk_read_bytes_per_s=0).replace(
+        b'"disk_read_bytes_per_s": 0', b'"disk_read_bytes_per_s": 1' + b"0" * 400),
+    "an integer past Python's digit limit": _with(cpu_threads=0).replace(b'"cpu_threads": 0',
+                                                                         b'"cpu_threads": 1' + b"0" * 5000),
+    "a superscript curve key": _with(cpu_expert_flops_bf16={"\u00b3": 1e9}),
+    "an exponent curve key": _with(cpu_expert_flops_bf16={"1e3": 1e9}),
+    "a list as a curve value": _with(cpu_expert_flops_bf16={"1": [1]}),
+    "deeply nested JSON": b"[" * 200_000 + b"]" * 200_000,
+    "truncated JSON": _with()[:40],
+    "a JSON list": b"[1, 2]",
+    "another version": _with(version="1"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(DAMAGED_PROFILES))
+def test_a_damaged_profile_file_is_a_profile_error_naming_the_file(tmp_path, damage):
+    path = tmp_path / "profile.json"
+    path.write_bytes(DAMAGED_PROFILES[damage])
+    with pytest.raises(ProfileError, match=re.escape(f"profile file {str(path)!r}")):
+        MachineProfile.load(path)
+
+
+def test_a_profile_that_is_a_directory_is_a_profile_error(tmp_path):
+    with pytest.raises(ProfileError, match="does not exist"):
+        MachineProfile.load(tmp_path)
+
+
+@pytest.mark.parametrize("damage", ["not UTF-8", "an integer too large for a float", "deeply nested JSON",
+                                    "a superscript curve key"])
+def test_a_damaged_cached_profile_falls_back_with_one_warning(tiny_models, tmp_path, monkeypatch, damage,
+                                                             warnings_logged):
+    monkeypatch.setenv("HF_MOE_OFFLOAD_CACHE", str(tmp_path))
+    (tmp_path / "profile.json").write_bytes(DAMAGED_PROFILES[damage])
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%")
+    assert hf_moe_offload.stats(model).get("plan") is None            # the memory rule's choices stand
+    profile_warnings = [m for m in warnings_logged if "machine profile" in m]
+    assert len(profile_warnings) == 1 and str(tmp_path / "profile.json") in profile_warnings[0]
+
+
+def test_no_profile_is_read_when_every_planned_field_is_given(tiny_models, tmp_path, monkeypatch,
+                                                              warnings_logged):
+    monkeypatch.setenv("HF_MOE_OFFLOAD_CACHE", str(tmp_path))
+    (tmp_path / "profile.json").write_bytes(DAMAGED_PROFILES["not UTF-8"])
+    read = []
+    monkeypatch.setattr(MachineProfile, "load", classmethod(lambda cls, path: read.append(path)))
+    given = {name: "on_demand" if name == "schedule" else 2 for name in PLANNED_FIELDS}
+    offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%", **given)
+    assert read == [] and warnings_logged == []
+
+
+def test_the_profile_is_written_through_a_fresh_temporary_file(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("keep")
+    for planted in ("profile.tmp", ".profile.json.tmp"):
+        (tmp_path / planted).symlink_to(victim)       # the names a predictable writer would use
+    profile = MachineProfile.load(shipped_profile_path("t4"))
+    assert profile.save(tmp_path / "profile.json") == tmp_path / "profile.json"
+    assert victim.read_text() == "keep"
+    assert MachineProfile.load(tmp_path / "profile.json") == profile
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".profile.json.tmp", "profile.json", "profile.tmp",
+                                                          "victim"]
+
+
+def test_a_failed_profile_write_leaves_no_temporary_file(tmp_path, monkeypatch):
+    def refuse(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", refuse)
+    with pytest.raises(OSError, match="No space left"):
+        MachineProfile.load(shipped_profile_path("t4")).save(tmp_path / "profile.json")
+    assert list(tmp_path.iterdir()) == []

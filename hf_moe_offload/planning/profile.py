@@ -20,11 +20,14 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
+import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +51,10 @@ EXPERT_CURVE_ROWS = (1, 4, 16, 64, 256, 1024)   # row counts the expert curve is
 
 class ProfileError(ValueError):
     """A profile file that is missing, malformed, of another version, or has a field out of range."""
+
+
+class ProfileMissingError(ProfileError):
+    """No profile file where one was looked for (not measured yet, rather than damaged)."""
 
 
 @dataclass(frozen=True)
@@ -147,11 +154,11 @@ class MachineProfile:
         if unknown:
             raise ProfileError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(known)}")
         if data.get("version") != PROFILE_VERSION:
-            raise ProfileError(f"{where}: field 'version' is {data.get('version')!r}; this hf_moe_offload reads "
+            raise ProfileError(f"{where}: field 'version' is {_short(data.get('version'))}; this hf_moe_offload reads "
                                f"version {PROFILE_VERSION} (re-run `hf-moe-offload profile`)")
         for name in ("name", "source"):
             if not isinstance(data.get(name), str):
-                raise ProfileError(f"{where}: field {name!r} must be a string, got {data.get(name)!r}")
+                raise ProfileError(f"{where}: field {name!r} must be a string, got {_short(data.get(name))}")
         for name in _HOST_FIELDS:
             if name not in data:
                 raise ProfileError(f"{where}: missing field {name!r} (a number > 0)")
@@ -179,12 +186,22 @@ class MachineProfile:
         return cls(**values)
 
     def save(self, path: str | os.PathLike | None = None) -> Path:
-        """Write the profile as JSON (default: `default_profile_path()`); returns the path."""
+        """Write the profile as JSON (default: `default_profile_path()`); returns the path. Written to a new
+        temporary file beside it (an unpredictable name, created exclusively: no planted file or link is followed)
+        and renamed over it, so a reader never sees half a file."""
         path = Path(path) if path is not None else default_profile_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1) + "\n")
-        tmp.replace(path)   # a reader never sees half a file
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps(self.to_dict(), indent=1) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
         return path
 
     @classmethod
@@ -197,13 +214,27 @@ class MachineProfile:
         """
         path = Path(path)
         if not path.is_file():
-            raise ProfileError(f"profile file {str(path)!r} does not exist; run `hf-moe-offload profile` or give "
-                               f"one of the shipped profiles {list(SHIPPED_PROFILES)}")
+            raise ProfileMissingError(f"profile file {str(path)!r} does not exist; run `hf-moe-offload profile` or "
+                                      f"give one of the shipped profiles {list(SHIPPED_PROFILES)}")
+        where = f"profile file {str(path)!r}"
         try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as err:
-            raise ProfileError(f"profile file {str(path)!r} is not valid JSON: {err}") from None
-        return cls.from_dict(data, where=f"profile file {str(path)!r}")
+            text = path.read_bytes().decode("utf-8")
+            data = json.loads(text)
+        except OSError as err:
+            raise ProfileError(f"{where} cannot be read ({err.strerror or err})") from None
+        except UnicodeDecodeError as err:
+            raise ProfileError(f"{where} is not UTF-8 text ({err.reason} at byte {err.start}); re-run "
+                               f"`hf-moe-offload profile`") from None
+        except (ValueError, RecursionError) as err:   # JSONDecodeError, or nesting deeper than the parser's stack
+            reason = err if isinstance(err, ValueError) else "nested too deeply"
+            raise ProfileError(f"{where} is not valid JSON ({reason}); re-run `hf-moe-offload profile`") from None
+        try:
+            return cls.from_dict(data, where=where)
+        except ProfileError:
+            raise
+        except (ValueError, TypeError, OverflowError, RecursionError) as err:   # a check this code lacks
+            raise ProfileError(f"{where} has a field this hf_moe_offload cannot use ({type(err).__name__}: "
+                               f"{err}); re-run `hf-moe-offload profile`") from None
 
     def summary(self) -> str:
         """One line per number, for `hf-moe-offload profile --show`."""
@@ -233,16 +264,34 @@ def _curve(where: str, name: str, value: Any) -> None:
     """A {rows: FLOP/s} mapping: keys whole numbers >= 1 (JSON keys are strings), values numbers > 0."""
     if not isinstance(value, dict) or not value:
         raise ProfileError(f"{where}: field {name!r} must be a non-empty object {{rows: FLOP/s}} such as "
-                           f"{{\"1\": 2e10, \"256\": 4e11}}, got {value!r}")
+                           f"{{\"1\": 2e10, \"256\": 4e11}}, got {_short(value)}")
     for rows, flops in value.items():
-        if not str(rows).isdigit() or int(rows) < 1:
-            raise ProfileError(f"{where}: field {name!r} has row count {rows!r}; allowed: whole numbers >= 1")
+        # ASCII digits only: str.isdigit() also takes "³" or "١", which int() then refuses or reads otherwise
+        if not re.fullmatch(r"[0-9]{1,9}", str(rows)) or int(rows) < 1:
+            raise ProfileError(f"{where}: field {name!r} has row count {_short(rows)}; allowed: whole numbers from "
+                               f"1 to 999999999 written in ASCII digits")
         _positive(where, f"{name}[{rows!r}]", flops)
 
 
 def _positive(where: str, name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
-        raise ProfileError(f"{where}: field {name!r} must be a number > 0, got {value!r}")
+    """A number > 0 that a float holds (JSON integers have no bound; 10**400 overflows a float)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    if ok:
+        try:
+            ok = math.isfinite(float(value)) and value > 0
+        except OverflowError:
+            ok = False
+    if not ok:
+        raise ProfileError(f"{where}: field {name!r} must be a number > 0 that fits a float, got {_short(value)}")
+
+
+def _short(value: Any) -> str:
+    """`repr(value)`, cut to a line (a damaged file's value may be a huge integer or a deep structure)."""
+    try:
+        text = repr(value)
+    except (ValueError, RecursionError):      # an int past Python's digit limit, or nesting too deep
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def default_profile_path() -> Path:
@@ -259,14 +308,24 @@ def shipped_profile_path(name: str) -> Path:
 
 
 def load_profile(spec: str | os.PathLike | None = None) -> MachineProfile:
-    """A profile from a file, a shipped name ("t4", "l4"), or (None) this machine's cached one.
+    """A profile from a file, a shipped name ("t4", "l4"), or (None) this machine's cached one. Every unreadable
+    or invalid file raises `ProfileError` (`ProfileMissingError` when there is none); a damaged cached one is also
+    logged as a warning naming the file, as the planner then falls back to the memory rule.
 
     Example:
         >>> load_profile("t4").h2d_bytes_per_s / 1e9
         12.0
     """
     if spec is None:
-        return MachineProfile.load(default_profile_path())
+        try:
+            return MachineProfile.load(default_profile_path())
+        except ProfileMissingError:
+            raise
+        except ProfileError as err:
+            # Read on every load with a planned field left "auto": a damaged cache must be seen, not just skipped.
+            logger.warning("hf_moe_offload: ignoring the cached machine profile: %s. Delete it or re-run "
+                           "`hf-moe-offload profile`", err)
+            raise
     if str(spec) in SHIPPED_PROFILES:
         return MachineProfile.load(shipped_profile_path(str(spec)))
     return MachineProfile.load(spec)
