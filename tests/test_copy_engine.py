@@ -130,9 +130,9 @@ def test_demand_loads_overtake_queued_prefetches():
 
 def test_a_disk_store_dropped_without_close_closes_its_files(tmp_path):
     """A model dropped without disable() used to leak one fd per shard: the store's finalizer closes them."""
-    store = _disk_store(tmp_path, num_layers=3)
     gc.collect()                                         # objects of earlier tests close their files now, not below
     before = _open_fds(tmp_path)
+    store = _disk_store(tmp_path, num_layers=3)          # (a store opens its files when it is made)
     dst = torch.empty(NUMEL)
     for layer in range(3):
         store.read_into(layer, 1, dst)
@@ -144,9 +144,9 @@ def test_a_disk_store_dropped_without_close_closes_its_files(tmp_path):
 
 
 def test_a_closed_disk_store_reopens_its_files_and_still_closes_them_when_dropped(tmp_path):
-    store = _disk_store(tmp_path, num_layers=2)
     gc.collect()
     before = _open_fds(tmp_path)
+    store = _disk_store(tmp_path, num_layers=2)
     dst = torch.empty(NUMEL)
     store.read_into(0, 3, dst)
     store.close()
@@ -178,6 +178,7 @@ EMFILE_PROBE = textwrap.dedent("""
     sys.path.insert(0, sys.argv[2])
     from test_copy_engine import _disk_store
     store = _disk_store(sys.argv[1], num_layers=1)
+    store.close()                      # its files open again at the read below, with no descriptor left
     resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     held = []
     try:

@@ -247,8 +247,9 @@ def test_a_cpu_folder_stores_the_kernel_format_and_is_told_apart_from_plain_file
     assert packing_signature([plain]) == "plain" and packing_signature([cpu]).startswith("cpu-int4")
     assert quantized_fingerprint([str(source)], [cpu]) != quantized_fingerprint([str(source)], [plain])
     w = torch.randn(32, 64, generator=torch.Generator().manual_seed(0))
-    pieces = write_quantized(str(tmp_path / "q"), "fp", [cpu], [1], lambda layer, e: {"up": w})
-    store = hf_moe_offload.storage.store.DiskStore([_FakeLayer(dense)], pieces, torch.float32, layouts=[cpu])
+    written = write_quantized(str(tmp_path / "q"), "fp", [cpu], [1], lambda layer, e: {"up": w})
+    store = hf_moe_offload.storage.store.DiskStore([_FakeLayer(dense)], written.pieces, torch.float32, layouts=[cpu],
+                                                   checksums=written.checksums)
     slab = torch.empty(cpu.numel, dtype=torch.uint8)
     store.read_into(0, 0, slab)
     expected = torch.empty(cpu.numel, dtype=torch.uint8)

@@ -16,8 +16,9 @@ from ..planning.footprint import footprint
 from ..planning.resolve import resolve
 from ..policy.offload_policy import OffloadPolicy, PolicyError
 from ..runtime.engine import OffloadEngine, get_engine, move_resident_part
-from ..storage.spill import remove_folder, spill_experts, temporary_folder
-from ..storage.store import CpuStore, DiskStore, ExpertStore
+from ..storage.folders import remove_folder, temporary_folder
+from ..storage.spill import spill_store
+from ..storage.store import CpuStore, ExpertStore
 from .experts_store import policy_quantized_layouts, quantized_store
 from .finish import check_attention, finish_offloading, load_predictor
 from .quantized_checkpoints import refuse_quantized_checkpoint
@@ -90,7 +91,7 @@ def _store_of_built_model(policy: OffloadPolicy, arch: MoEArch, layers: list[MoE
             store = quantized_store(policy, layers, dtype, device,
                                     lambda l, e: arch.expert_tensors(layers[l].module, e), folder)
         elif folder is not None:
-            store = DiskStore(layers, spill_experts(layers, arch.expert_tensors, dtype, folder), dtype)
+            store = spill_store(layers, arch.expert_tensors, dtype, folder)
         else:
             store = CpuStore.from_modules(layers, arch.expert_tensors, dtype, device=device)
     except BaseException:

@@ -12,7 +12,11 @@ import torch
 from ..layout import MoELayer
 from ..policy.offload_policy import AUTO, DEFAULT_INT4_GROUP_SIZE, OffloadPolicy
 from ..storage.quantize import QuantizedSlabLayout, quantized_layouts
-from ..storage.spill import quantized_cache_root, quantized_fingerprint, reuse_quantized, write_quantized
+from ..storage.spill import (
+    quantized_cache_root,
+    quantized_fingerprint,
+    quantized_folder_store,
+)
 from ..storage.store import CpuStore, DiskStore
 
 logger = logging.getLogger(__name__)
@@ -35,7 +39,8 @@ def quantized_store(policy: OffloadPolicy, layers: list[MoELayer], dtype: torch.
     """A store of quantized experts: host slabs (store="cpu"), or a quantized folder read per expert ("disk").
 
     With `source_files` (a checkpoint) the folder is `folder` or a cache folder per fingerprint, reused while the
-    fingerprint matches; without (a built model's experts, `enable`) it is always written."""
+    fingerprint matches; without (a built model's experts, `enable`) it is always written. Either way it is built
+    under the folder's lock and never rewritten under a store that reads it (`quantized_folder_store`)."""
     layouts = policy_quantized_layouts(policy, layers, dtype, device)
     num_experts = [lay.num_experts for lay in layers]
     if policy.store == "cpu":
@@ -43,8 +48,5 @@ def quantized_store(policy: OffloadPolicy, layers: list[MoELayer], dtype: torch.
     fingerprint = quantized_fingerprint(source_files, layouts) if source_files else "built-model"
     if folder is None:
         folder = os.path.join(quantized_cache_root(), fingerprint)
-    pieces = reuse_quantized(folder, fingerprint, layouts, num_experts) if source_files else None
-    if pieces is None:
-        logger.info("hf_moe_offload: quantizing experts (%s) into %s", policy.quantize, folder)
-        pieces = write_quantized(folder, fingerprint, layouts, num_experts, read_expert)
-    return DiskStore(layers, pieces, dtype, layouts=layouts)
+    return quantized_folder_store(folder, fingerprint, layouts, layers, dtype, read_expert,
+                                  reuse=bool(source_files))

@@ -10,14 +10,17 @@ Example:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from huggingface_hub import snapshot_download
+
+from .integrity import FileIdentity
 
 SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -41,6 +44,7 @@ class TensorEntry:
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    identity: FileIdentity | None = field(default=None, compare=False)   # the file when its header was read
 
     @property
     def nbytes(self) -> int:
@@ -59,6 +63,7 @@ class ByteRange:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    identity: FileIdentity | None = field(default=None, compare=False)   # the file when its header was read
 
 
 @dataclass(frozen=True)
@@ -115,11 +120,11 @@ class CheckpointIndex:
         """Byte range of tensor `key`, or of `key[row]` (rows of the first dimension are contiguous)."""
         e = self.entries[key]
         if row is None:
-            return ByteRange(e.path, e.offset, e.nbytes, e.dtype, e.shape)
+            return ByteRange(e.path, e.offset, e.nbytes, e.dtype, e.shape, e.identity)
         if not 0 <= row < e.shape[0]:
             raise CheckpointError(f"{key} has {e.shape[0]} rows, row {row} requested ({e.path})")
         row_bytes = e.nbytes // e.shape[0]
-        return ByteRange(e.path, e.offset + row * row_bytes, row_bytes, e.dtype, e.shape[1:])
+        return ByteRange(e.path, e.offset + row * row_bytes, row_bytes, e.dtype, e.shape[1:], e.identity)
 
     def block_scales(self, key: str, row: int | None = None) -> BlockScales | None:
         """The block scales of the FP8 tensor `key` (of `key[row]`), or None when `key` is not FP8.
@@ -252,9 +257,11 @@ def _json_type(value: Any) -> str:
 
 
 def read_header(path: str) -> dict[str, TensorEntry]:
-    """Parse one safetensors file's header and check the file holds all the bytes it announces."""
-    size = os.path.getsize(path)
+    """Parse one safetensors file's header and check the file holds all the bytes it announces. Each entry records
+    the file's identity (`FileIdentity`), which a store compares when it opens the file."""
     with open(path, "rb") as f:
+        identity = FileIdentity.of(os.fstat(f.fileno()))
+        size = identity.size
         raw = f.read(8)
         if len(raw) < 8:
             raise CheckpointError(f"checkpoint shard {path} is truncated or corrupt ({size} bytes, no header)")
@@ -270,7 +277,8 @@ def read_header(path: str) -> dict[str, TensorEntry]:
         raise CheckpointError(f"checkpoint shard {path} has a corrupt header: a JSON {_json_type(header)}, expected "
                               f"an object {{tensor name: {_ENTRY_EXPECTED}}}")
     data_start = 8 + header_len
-    entries = {key: _entry(path, key, info, data_start) for key, info in header.items() if key != "__metadata__"}
+    entries = {key: _entry(path, key, info, data_start, identity) for key, info in header.items()
+               if key != "__metadata__"}
     end = max((e.offset + e.nbytes for e in entries.values()), default=data_start)
     if end > size:
         raise CheckpointError(f"checkpoint shard {path} is truncated: its header needs {end} bytes, the file has "
@@ -278,10 +286,22 @@ def read_header(path: str) -> dict[str, TensorEntry]:
     return entries
 
 
+def header_digest(path: str) -> str:
+    """A hash of a file's safetensors header (its first bytes, whatever they are): two checkpoints that agree in
+    name, size and mtime but hold other tensors or offsets get other digests, without reading the weights."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        h.update(raw)
+        if len(raw) == 8:
+            h.update(f.read(min(struct.unpack("<Q", raw)[0], 100 << 20)))   # headers are KBs; the cap bounds junk
+    return h.hexdigest()
+
+
 _ENTRY_EXPECTED = '{"dtype": "F32", "shape": [rows, ...], "data_offsets": [begin, end]}'
 
 
-def _entry(path: str, key: str, info: Any, data_start: int) -> TensorEntry:
+def _entry(path: str, key: str, info: Any, data_start: int, identity: FileIdentity | None = None) -> TensorEntry:
     """One header entry as a `TensorEntry`, every field checked: a malformed entry names the file and the tensor
     instead of failing with a KeyError or TypeError, and offsets that disagree with dtype x shape are caught
     before a read returns the wrong bytes.
@@ -308,7 +328,7 @@ def _entry(path: str, key: str, info: Any, data_start: int) -> TensorEntry:
     if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_count, offsets))
             and offsets[0] <= offsets[1]):
         raise corrupt(f"has data_offsets {offsets!r}, not [begin, end] with 0 <= begin <= end")
-    entry = TensorEntry(path, data_start + offsets[0], dtype, tuple(shape))
+    entry = TensorEntry(path, data_start + offsets[0], dtype, tuple(shape), identity)
     if offsets[1] - offsets[0] != entry.nbytes:
         raise corrupt(f"spans {offsets[1] - offsets[0]} bytes, but {info['dtype']} x {shape} needs {entry.nbytes}")
     return entry
@@ -430,7 +450,7 @@ def split_range(rng: ByteRange, chunk_bytes: int) -> list[tuple[ByteRange, int]]
         [(100, 4, 0), (104, 4, 4), (108, 2, 8)]
     """
     return [(ByteRange(rng.path, rng.offset + start, min(chunk_bytes, rng.nbytes - start), torch.uint8,
-                       (min(chunk_bytes, rng.nbytes - start),)), start)
+                       (min(chunk_bytes, rng.nbytes - start),), rng.identity), start)
             for start in range(0, rng.nbytes, chunk_bytes)]
 
 

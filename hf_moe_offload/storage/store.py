@@ -30,6 +30,7 @@ import torch
 from .._logging import progress
 from ..layout import ExpertPiece, ExpertTensors, MoELayer, SlabLayout
 from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
+from .integrity import ExpertChecksums, FileIdentity, check_identity
 from .quantize import QuantizedSlabLayout
 
 # cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.
@@ -173,28 +174,44 @@ CHUNK_READERS = 4            # ... by this many threads at once
 class DiskStore(ExpertStore):
     """Experts read on demand, per expert, from the checkpoint's safetensors files.
 
-    File descriptors open on first use, are shared by the reader threads, and are closed by `close()` or, for a
-    store dropped without it, when the store is garbage-collected.
+    Every file is opened when the store is made (a file renamed over or deleted later is still the one read) and
+    its identity compared with the one recorded when its header was read; before each read the file is checked
+    again, so a checkpoint rewritten in place is refused, naming it, rather than read. The descriptors are shared
+    by the reader threads, and closed by `close()` or, for a store dropped without it, when the store is
+    garbage-collected.
     """
 
     def __init__(self, layers: Sequence[MoELayer], pieces: list[list[list[ExpertPiece]]], dtype: torch.dtype,
-                 layouts: Sequence[QuantizedSlabLayout] | None = None):
+                 layouts: Sequence[QuantizedSlabLayout] | None = None, checksums: ExpertChecksums | None = None):
         """`pieces[layer][expert]`: where each expert's bytes are (`MoEArch.locate_expert`). With quantized
         `layouts`, each piece is a whole quantized slab ("slab", from a quantized folder), stored in the layout's
-        packing and read as uint8; `dtype` is then the compute dtype."""
+        packing and read as uint8; `dtype` is then the compute dtype. `checksums`: each expert's checksum (files
+        the library wrote), checked at the expert's first read in this process."""
         if layouts is None:
             super().__init__([lay.layout for lay in layers], [lay.num_experts for lay in layers], dtype)
         else:
             super().__init__(layouts, [lay.num_experts for lay in layers], torch.uint8, compute_dtype=dtype)
         self.pieces = pieces
-        self.files = sorted({path for layer in self.pieces for exp in layer for p in exp
-                             for path in (p.source.path, p.scales.source.path if p.scales else p.source.path)})
+        self.checksums = checksums
+        # Each file's identity when its header was read (a range built without one: the file as first opened).
+        self._identities: dict[str, FileIdentity | None] = {}
+        for rng in (r for layer in self.pieces for exp in layer for p in exp
+                    for r in (p.source, p.scales.source if p.scales else p.source)):
+            if self._identities.get(rng.path) is None:
+                self._identities[rng.path] = rng.identity
+        self.files = sorted(self._identities)
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()   # several reader threads share the file descriptors
         self._bounce = threading.local()    # per reader thread: raw bytes awaiting dtype conversion
         self._chunk_pool: ThreadPoolExecutor | None = None   # parallel chunk reads, started on first use
         # Holds the fd dict, not the store, so that it runs when the store is collected.
         weakref.finalize(self, _close_fds, self._fds, self._fds_lock)
+        try:
+            for path in self.files:
+                self._fd(path)
+        except BaseException:
+            self.close()
+            raise
 
     def read_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
         """Fill the flat CPU tensor `dst` (numel >= slab) with the expert's slab.
@@ -204,7 +221,7 @@ class DiskStore(ExpertStore):
         lets a streaming window of one or two slots keep the disk busy."""
         layout = self.layouts[layer]
         parts = layout.regions(dst) if self.quantized else layout.views(dst[:layout.numel])
-        chunks, interleaved = [], []
+        chunks, interleaved, read = [], [], []
         for piece in self.pieces[layer][expert]:
             if isinstance(piece.scales, Mxfp4Scales):    # MXFP4 (GPT-OSS): dequantized, transposed, whole part
                 read_mxfp4_into(piece.source, piece.scales, parts[piece.part], self._fd(piece.source.path),
@@ -214,6 +231,7 @@ class DiskStore(ExpertStore):
             target = parts[piece.part][piece.row:piece.row + rows]
             if piece.interleaved:
                 interleaved.append(target)
+            read.append(target)
             fd = self._fd(piece.source.path)
             if piece.scales is not None:        # fine-grained FP8: dequantized on the way in (CPU work, per read)
                 read_fp8_into(piece.source, piece.scales, target, fd, self._fd(piece.scales.source.path),
@@ -226,6 +244,10 @@ class DiskStore(ExpertStore):
             chunks += [(rng, raw[start:start + rng.nbytes], fd) for rng, start in split_range(piece.source,
                                                                                             READ_CHUNK_BYTES)]
         self._read_chunks(chunks)
+        if self.checksums is not None:        # the bytes as they are in the file, before any reordering
+            path = self.pieces[layer][expert][0].source.path
+            self.checksums.verify(layer, expert, [memoryview(t.reshape(-1).view(torch.uint8).numpy()) for t in read],
+                                  path, self._identities[path])
         for target in interleaved:      # rows (gate 0, up 0, gate 1, ...) -> gate rows, then up rows
             target.copy_(target.view(target.shape[0] // 2, 2, *target.shape[1:]).transpose(0, 1).flatten(0, 1))
 
@@ -252,10 +274,19 @@ class DiskStore(ExpertStore):
         return buffer
 
     def _fd(self, path: str) -> int:
+        """The open file `path`, checked to be the file indexed (an `IntegrityError` naming it otherwise)."""
         with self._fds_lock:
             fd = self._fds.get(path)
             if fd is None:
-                fd = self._fds[path] = _open_shard(path)
+                fd = _open_shard(path)
+                try:
+                    self._identities[path] = check_identity(path, fd, self._identities[path])
+                except BaseException:
+                    os.close(fd)
+                    raise
+                self._fds[path] = fd
+            else:
+                check_identity(path, fd, self._identities[path])
             return fd
 
     def close(self) -> None:
