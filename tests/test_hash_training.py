@@ -4,6 +4,7 @@ written)."""
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -288,7 +289,8 @@ def test_missing_and_corrupt_files_are_refused(saved_predictor, tmp_path):
     raw = (d / WEIGHTS_NAME).read_bytes()
     (d / WEIGHTS_NAME).write_bytes(raw[:len(raw) // 2])
     config = json.loads((d / CONFIG_NAME).read_text())
-    config["weights_sha256"] = ""                                    # so the safetensors reader itself must notice
+    # the truncated file's own sum, so the safetensors reader itself must notice
+    config["weights_sha256"] = hashlib.sha256((d / WEIGHTS_NAME).read_bytes()).hexdigest()
     (d / CONFIG_NAME).write_text(json.dumps(config))
     with pytest.raises(PredictorFileError, match=f"{WEIGHTS_NAME}: corrupt"):
         HashPredictor.load(d)

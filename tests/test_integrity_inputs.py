@@ -8,16 +8,19 @@ import json
 import logging
 import os
 import re
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 import hf_moe_offload
 from hf_moe_offload import OffloadPolicy, PolicyError
 from hf_moe_offload.planning.auto_plan import PLANNED_FIELDS
 from hf_moe_offload.planning.profile import MachineProfile, ProfileError, shipped_profile_path
 from hf_moe_offload.policy.offload_policy import MAX_BATCH_SIZE, MAX_SEQ_LEN, did_you_mean
-from conftest import offloaded
+from hf_moe_offload.prefetch.hash import CONFIG_NAME, HashPredictor, PredictorFileError
+from conftest import offloaded, reference
 
 
 # -- policy: types, near misses, bounds ----------------------------------------------------------------------------
@@ -185,3 +188,71 @@ def test_a_failed_profile_write_leaves_no_temporary_file(tmp_path, monkeypatch):
     with pytest.raises(OSError, match="No space left"):
         MachineProfile.load(shipped_profile_path("t4")).save(tmp_path / "profile.json")
     assert list(tmp_path.iterdir()) == []
+
+
+# -- predictor folders: sizes checked against the weights' header, the checksum mandatory, types named -------------
+
+@pytest.fixture(scope="module")
+def predictor_dir(tiny_models, tmp_path_factory):
+    torch.manual_seed(0)
+    model = reference("mixtral", tiny_models["mixtral"])
+    directory = tmp_path_factory.mktemp("predictor")
+    HashPredictor.for_model(model, d_model=16, lstm_hidden=16).save(directory)
+    return directory
+
+
+def _edited(predictor_dir, tmp_path, **changes) -> Path:
+    """A copy of the predictor whose config has `changes` (None: the key deleted)."""
+    copy = tmp_path / "edited"
+    shutil.copytree(predictor_dir, copy)
+    config = json.loads((copy / CONFIG_NAME).read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    (copy / CONFIG_NAME).write_text(json.dumps(config))
+    return copy
+
+
+def test_edited_sizes_are_refused_from_the_header_before_anything_is_allocated(predictor_dir, tmp_path,
+                                                                               monkeypatch):
+    edited = _edited(predictor_dir, tmp_path, lstm_hidden=100000)
+    built = []
+    real_init = HashPredictor.__init__
+
+    def spy(self, config):
+        built.append(torch.get_default_device())
+        real_init(self, config)
+
+    monkeypatch.setattr(HashPredictor, "__init__", spy)
+    with pytest.raises(PredictorFileError, match=r"the sizes do not match the weights \(was the config edited\?\): "
+                                                 r"head.weight: predictor_config.json gives \(\d+, 100000\), "
+                                                 r"predictor.safetensors has \(\d+, 16\)"):
+        HashPredictor.load(edited)
+    assert built and all(device.type == "meta" for device in built)        # only the meta-device shape probe
+
+
+@pytest.mark.parametrize("sha", [None, "", "   "])
+def test_the_checksum_is_mandatory(predictor_dir, tmp_path, sha):
+    edited = _edited(predictor_dir, tmp_path, weights_sha256=sha)
+    with pytest.raises(PredictorFileError, match=r"no weights_sha256 .*save the predictor again "
+                                                 r"\(HashPredictor.save_pretrained\), or, if you trust .* record its "
+                                                 r"`sha256sum`"):
+        HashPredictor.load(edited)
+
+
+def test_a_recorded_checksum_in_capitals_still_matches(predictor_dir, tmp_path):
+    sha = json.loads((predictor_dir / CONFIG_NAME).read_text())["weights_sha256"]
+    assert HashPredictor.load(_edited(predictor_dir, tmp_path, weights_sha256=sha.upper())).num_experts == 6
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("format_version", "1", "a whole number"), ("lstm_hidden", 16.0, "a whole number"),
+    ("num_layers", True, "a whole number"), ("causal", 1, "true or false"), ("layer_names", "a,b", "a list"),
+    ("weights_sha256", 5, "a string"), ("training", [], "an object"), ("attention_scale", "1", "a number"),
+])
+def test_a_config_value_of_another_type_names_the_field(predictor_dir, tmp_path, field, value, words):
+    edited = _edited(predictor_dir, tmp_path, **{field: value})
+    with pytest.raises(PredictorFileError, match=rf"{CONFIG_NAME}: field '{field}' is .*; allowed: {words}$"):
+        HashPredictor.load(edited)

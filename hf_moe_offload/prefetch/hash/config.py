@@ -160,17 +160,36 @@ class HashPredictorConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "config") -> HashPredictorConfig:
         """Read a `to_dict` object; unknown keys (a newer writer's) are logged and ignored, a missing fingerprint
-        field raises `PredictorFileError` naming `source`."""
-        known = {f.name for f in fields(cls)}
-        unknown = sorted(set(data) - known)
+        field or a value of another type than the field's raises `PredictorFileError` naming `source` and the
+        field."""
+        known = {f.name: f for f in fields(cls)}
+        unknown = sorted(set(data) - set(known))
         if unknown:
             logger.warning("%s: ignoring unknown predictor config keys %s", source, unknown)
         missing = [name for name in FINGERPRINT_FIELDS if name not in data]
         if missing:
             raise PredictorFileError(f"{source}: not a predictor config (missing {missing})")
+        for name, value in data.items():
+            if name in known:
+                _check_type(source, name, known[name].type, value)
         return cls(**{k: v for k, v in data.items() if k in known})
 
     @staticmethod
     def help() -> dict[str, str]:
         """field -> help text."""
         return {f.name: f.metadata.get("help", "") for f in fields(HashPredictorConfig)}
+
+
+# A config field's annotation (a string: postponed annotations) -> the JSON values it takes, and how to say so.
+_JSON_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    "int": ((int,), "a whole number"), "float": ((int, float), "a number"), "bool": ((bool,), "true or false"),
+    "str": ((str,), "a string"), "list": ((list,), "a list"), "dict": ((dict,), "an object"),
+}
+
+
+def _check_type(source: str, name: str, annotation: Any, value: Any) -> None:
+    """Raise `PredictorFileError` unless `value` is a JSON value of the field's type (a bool is no number)."""
+    allowed, words = _JSON_TYPES[str(annotation)]
+    if isinstance(value, bool) and bool not in allowed or not isinstance(value, allowed):
+        shown = repr(value) if len(repr(value)) <= 60 else f"a {type(value).__name__}"
+        raise PredictorFileError(f"{source}: field {name!r} is {shown}; allowed: {words}")

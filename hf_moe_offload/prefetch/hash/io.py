@@ -20,7 +20,7 @@ import torch
 from huggingface_hub import HfApi, ModelCardData, constants, is_offline_mode, snapshot_download
 from huggingface_hub.errors import EntryNotFoundError, HFValidationError
 from huggingface_hub.utils import validate_repo_id
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -145,12 +145,15 @@ class PredictorFilesMixin:
 
         config_path, weights_path = directory / CONFIG_NAME, directory / WEIGHTS_NAME
         config = read_config(config_path, weights_path)
+        if model is not None:
+            check_fingerprint(config, model)
+        # The checksum covers the weights only: sizes edited in the config are caught here, from the shapes the
+        # weights' header declares, before a predictor of those sizes is allocated.
+        check_weight_shapes(cls, config, config_path, weights_path)
         try:
             tensors = load_file(str(weights_path))
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise PredictorFileError(f"{weights_path}: corrupt predictor weights ({exc})") from None
-        if model is not None:
-            check_fingerprint(config, model)
         try:
             predictor = cls(config)
         except (ValueError, TypeError) as exc:
@@ -193,10 +196,35 @@ def read_config(config_path: Path, weights_path: Path) -> HashPredictorConfig:
     if config.format_version > FORMAT_VERSION:
         raise PredictorFileError(f"{config_path}: format version {config.format_version} is newer than this "
                                  f"hf_moe_offload supports ({FORMAT_VERSION})")
-    if config.weights_sha256 and _sha256(weights_path) != config.weights_sha256:
+    if not config.weights_sha256.strip():
+        raise PredictorFileError(f"{config_path}: no weights_sha256 (the sha256 of {WEIGHTS_NAME}), so the weights "
+                                 f"cannot be checked; save the predictor again (HashPredictor.save_pretrained), or, if "
+                                 f"you trust {weights_path}, record its `sha256sum` as \"weights_sha256\"")
+    if _sha256(weights_path) != config.weights_sha256.strip().lower():
         raise PredictorFileError(f"{weights_path}: corrupt predictor weights (sha256 differs from the one "
                                  f"recorded in {CONFIG_NAME})")
     return config
+
+
+def check_weight_shapes(cls: type[nn.Module], config: HashPredictorConfig, config_path: Path,
+                        weights_path: Path) -> None:
+    """Raise `PredictorFileError` unless the tensors `weights_path` declares (its header, nothing loaded) have the
+    names and shapes a `cls(config)` has (built on the meta device: nothing allocated)."""
+    try:
+        with torch.device("meta"):
+            expected = {k: tuple(v.shape) for k, v in cls(config).state_dict().items()}
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise PredictorFileError(f"{config_path}: invalid predictor config ({exc})") from None
+    try:
+        with safe_open(str(weights_path), framework="pt") as fh:
+            found = {k: tuple(fh.get_slice(k).get_shape()) for k in fh.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise PredictorFileError(f"{weights_path}: corrupt predictor weights ({exc})") from None
+    diffs = [f"{k}: {CONFIG_NAME} gives {expected.get(k)}, {WEIGHTS_NAME} has {found.get(k)}"
+             for k in sorted(expected.keys() | found.keys()) if expected.get(k) != found.get(k)]
+    if diffs:
+        raise PredictorFileError(f"{config_path}: the sizes do not match the weights (was the config edited?): "
+                                 + "; ".join(diffs[:4]) + (f"; and {len(diffs) - 4} more" if len(diffs) > 4 else ""))
 
 
 def check_fingerprint(config: HashPredictorConfig, model: nn.Module) -> None:
