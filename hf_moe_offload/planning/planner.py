@@ -278,9 +278,7 @@ def pipeline_seconds(cost: LayerCost, layers: int, schedule: str, window: int) -
       layer may have loading or landed unused). The first layer has nothing before it to hide its reads. Each read
       also costs 1/`window` of an expert's compute: the window couples reads to compute (a read is admitted only
       when the expert `window` places before it is handed to compute), and the disk is busy read / (read + compute
-      / window) of a layer. That is what the read clock measured (batch-8 prefill at window 2: 40-78%; batch-128
-      decode: 80-86%), and with the term the decode predictions of the runs after the admission moved from compute
-      end to compute start are still within 10% (without it 10-26% over).
+      / window) of a layer, which is what the engine's read timeline shows (docs/benchmarks.md, planner accuracy).
     """
     per_expert = cost.expert_s / max(cost.touched, 1e-9)
     compute = max(cost.compute_s, cost.cpu_attn_s)
