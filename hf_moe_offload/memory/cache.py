@@ -28,6 +28,7 @@ from .pass_state import PassState
 from .placement import ExpertPlacement
 from .slots import Slot, SlotTable
 from .stall_clock import StallClock
+from .stream_order import StreamOrder
 from ..policy.offload_policy import EXPERT_COMPUTES, PolicyError
 from ..stats import OffloadStats
 from ..storage.store import ExpertStore
@@ -73,6 +74,7 @@ class ExpertCache:
         with torch.inference_mode(False):   # a model built under inference mode must still copy into its slots
             self.memory = torch.empty(self.num_slots, self.slot_numel, dtype=store.dtype, device=device)
         self.copy = None if self.zero_copy else make_copy_engine(store, device)
+        self.order = StreamOrder(self.memory, getattr(self.copy, "stream", None), device)
         if expert_compute == "auto" and not self.zero_copy:
             # Calibrated in the dtype experts compute in (a quantized store's slabs are uint8 bytes).
             placement = placement or ExpertPlacement.calibrated(device, store.compute_dtype, self.slot_numel,
@@ -203,6 +205,7 @@ class ExpertCache:
                 for slot in self.table.slots:
                     self._wait_quietly(slot)
                 self.copy.close()
+            self.order.before_free()    # readers on other streams (a user's, continuous batching's) are done
             self.memory = torch.empty(0)
             self.cpu.close()
             self.table.resident.clear()
@@ -238,8 +241,8 @@ class ExpertCache:
         if self.pass_state.note_load(key):
             self.stats.record_repeat_read(key[0])
         self.table.occupy(slot, key)
-        self.table.start_load(slot, self.copy.load(key[0], key[1], self.memory[slot.index], after=slot.release,
-                                                   demand=demand))
+        self.table.start_load(slot, self.copy.load(key[0], key[1], self.memory[slot.index],
+                                                   after=self.order.markers_for_copy(slot), demand=demand))
         self.stats.set_resident(self.resident_bytes())
 
     def _free_slot(self, layer: int, speculative_for: int | None = None) -> Slot | None:
@@ -304,6 +307,7 @@ class ExpertCache:
             self.stats.set_resident(self.resident_bytes())
             raise
         self.table.landed(slot)
+        self.order.landed(slot, load)
         self.stalls.stop(slot.key[0], started)
 
     def _wait_quietly(self, slot: Slot) -> None:
@@ -329,7 +333,7 @@ class ExpertCache:
             return
         slot.pins -= 1
         if slot.pins == 0:
-            slot.release = self.copy.release_marker(self.device)
+            self.order.released(slot, self.copy.release_marker(self.device))
 
 
 class _LayerFetch:
@@ -371,6 +375,7 @@ class _LayerFetch:
             if on_pinned is not None:
                 on_pinned()
             for key in self.landed:
+                cache.order.order_read(cache.table.resident[key])   # landed, maybe for another stream
                 yield key[1], self._slab(key)
                 self.done_with(key)
                 self.top_up(served=0)
@@ -383,7 +388,11 @@ class _LayerFetch:
                         raise RuntimeError(f"expert cache has no free slot for layer {self.layer} "
                                            f"({cache.num_slots} slots, all pinned)")
                 key = self.first_arrived(done)
-                cache._wait(cache.table.resident[key])
+                slot = cache.table.resident[key]
+                waited = slot.load is not None
+                cache._wait(slot)
+                if not waited:                   # landed for someone else meanwhile: order this stream too
+                    cache.order.order_read(slot)
                 # The expert leaves the stream window as it starts computing, so the next read starts now rather
                 # than after the compute, which would leave the disk idle meanwhile.
                 self.top_up(served=done + 1)

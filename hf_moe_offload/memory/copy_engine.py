@@ -27,7 +27,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -37,6 +37,9 @@ EWMA = 0.3                 # weight of a new transfer measurement
 
 # Disk reads of different experts run in parallel: SSDs serve several requests at once far faster than one.
 DISK_READERS = 4
+# One CUDA copy in this many is timed (a pair of timing events); the others get one plain event, the cheap kind to
+# wait on and to query.
+TIME_EVERY = 8
 
 
 class TransferMeter:
@@ -279,7 +282,7 @@ class CudaCopyEngine:
 
     Example:
         >>> engine = CudaCopyEngine(store, torch.device("cuda:1"))               # doctest: +SKIP
-        >>> engine.load(0, 3, slot, after=engine.release_marker(slot.device)).wait()  # doctest: +SKIP
+        >>> engine.load(0, 3, slot, after=[engine.release_marker(slot.device)]).wait()  # doctest: +SKIP
     """
 
     def __init__(self, store: ExpertStore, device: torch.device, readers: int = DISK_READERS):
@@ -288,6 +291,10 @@ class CudaCopyEngine:
         self.meter = TransferMeter()
         self.read_clock = ReadClock()     # disk reads only (a host store's copies are timed by `meter`)
         self._memory = HostMemory(device)
+        self._copies = itertools.count()
+        memory = getattr(store, "memory", None)
+        if isinstance(memory, HostMemory):
+            memory.note_reader(device)    # its slabs are unregistered only after this device's copies are done
         self._readers: PriorityReaders | None = None
         self._staging: StagingBuffers | None = None
         with torch.cuda.device(device):
@@ -298,10 +305,10 @@ class CudaCopyEngine:
             self._staging = StagingBuffers(readers + 1, numel, store.dtype, self._memory)
             self._readers = PriorityReaders(readers)
 
-    def load(self, layer: int, expert: int, slot: torch.Tensor, after: torch.cuda.Event | None = None,
+    def load(self, layer: int, expert: int, slot: torch.Tensor, after: Sequence[torch.cuda.Event] | None = None,
              demand: bool = True) -> CudaLoad:
-        """Copy the expert's slab into `slot` once the compute behind `after` is done; `demand=False` (a prefetch)
-        yields to queued demand reads."""
+        """Copy the expert's slab into `slot` once the compute behind every event of `after` is done;
+        `demand=False` (a prefetch) yields to queued demand reads."""
         host = self.store.host_slab(layer, expert)
         if host is not None:
             return CudaLoad(self.device, event=self._copy(host, slot, after))
@@ -317,21 +324,29 @@ class CudaCopyEngine:
             return CpuLoad(future)
         return CpuLoad(self._readers.submit(lambda: self.read_clock.read(self.store, layer, expert, buffer), True))
 
-    def _copy(self, host: torch.Tensor, slot: torch.Tensor, after: torch.cuda.Event | None) -> torch.cuda.Event:
+    def _copy(self, host: torch.Tensor, slot: torch.Tensor, after: Sequence[torch.cuda.Event] | None
+              ) -> torch.cuda.Event:
         """Issue the copy on the copy stream (under this device, so a reader thread touches no other GPU)."""
+        # Timed copies feed the bandwidth that expert_compute="auto" and the look-ahead gate weigh; a sample is
+        # enough, and the compute stream never waits on a timing event.
+        timed = next(self._copies) % TIME_EVERY == 0
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
-            if after is not None:
-                self.stream.wait_event(after)      # the compute that last read this slot is done
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.stream)
+            for marker in after or ():
+                self.stream.wait_event(marker)     # the compute that last read this slot, on every stream, is done
+            start = torch.cuda.Event(enable_timing=True) if timed else None
+            if start is not None:
+                start.record(self.stream)
             slot[:host.numel()].copy_(host, non_blocking=True)
-            event = torch.cuda.Event(enable_timing=True)   # timed: the copy's bandwidth feeds expert_compute="auto"
+            event = torch.cuda.Event()
             event.record(self.stream)
-        self.meter.record_events(start, event, host.nbytes)
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(self.stream)
+                self.meter.record_events(start, end, host.nbytes)
         return event
 
     def _read_and_copy(self, layer: int, expert: int, slot: torch.Tensor,
-                       after: torch.cuda.Event | None) -> torch.cuda.Event:
+                       after: Sequence[torch.cuda.Event] | None) -> torch.cuda.Event:
         """On a reader thread: read into a staging buffer, issue its copy, return at once (the copy's event)."""
         buffer = self._staging.acquire()
         copied = None

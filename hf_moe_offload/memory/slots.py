@@ -21,7 +21,10 @@ class Slot:
     key: Key | None = None            # the (layer, expert) resident or loading here
     pins: int = 0                     # consumers that need it to stay
     load: Any = None                  # the in-flight load (a copy-engine handle), None once landed
-    release: Any = None               # marker after the compute that last read this slot (a CUDA event)
+    # {consumer stream: event after the compute that last read this slot from it} (CUDA); the next copy into the
+    # slot waits for all of them, since consumers on different streams are not ordered against each other.
+    release: Any = None
+    ready: Any = None                 # the landed load's handle (CUDA): every reader's stream waits on it
     permanent: bool = False           # a resident layer's expert: pinned for good, never evicted
 
 
@@ -57,7 +60,7 @@ class SlotTable:
         self.recency.touch(key)
 
     def start_load(self, slot: Slot, load: Any) -> None:
-        slot.load = load
+        slot.load, slot.ready = load, None
         self._unwaited.add(slot)
 
     def landed(self, slot: Slot) -> None:
@@ -71,7 +74,7 @@ class SlotTable:
         self.recency.remove(slot.key)
         self._prefetched.discard(slot)
         self._unwaited.discard(slot)
-        slot.key, slot.pins, slot.load, slot.permanent = None, 0, None, False
+        slot.key, slot.pins, slot.load, slot.permanent, slot.ready = None, 0, None, False, None
 
     def unwaited(self) -> list[Slot]:
         """Slots whose load nobody has waited for yet."""

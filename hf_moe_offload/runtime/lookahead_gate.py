@@ -196,7 +196,8 @@ class LookaheadState(threading.local):
     """One generating thread's guesses within its own pass (each thread starts with none)."""
 
     def __init__(self) -> None:
-        self.guesses: dict[int, set[int]] = {}           # next layer -> its scored non-resident top-k guesses
+        # next layer -> its scored non-resident top-k guesses (on CUDA, score-only: counts still being copied)
+        self.guesses: dict[int, "set[int] | _PendingGuess"] = {}
         self.slice_guesses: dict[int, list[int]] = {}    # next layer -> the guesses of this layer's slices so far
 
 
@@ -225,8 +226,9 @@ class RouterLookahead:
 
     @property
     def reading_ahead(self) -> bool:
-        """Whether on-demand passes read the next layer's guesses now."""
-        return self.prefetch == "lookahead" or (self.gate is not None and self.gate.on)
+        """Whether on-demand passes read the next layer's guesses now (with "auto": the precision rule allows it and
+        the payoff trial has not found that reading fails to lower the stall)."""
+        return self.prefetch == "lookahead" or (self.gate is not None and self.gate.on and self.trial.verdict != "off")
 
     def begin_pass(self, layer: int, streaming: bool) -> bool:
         """A pass starts at MoE layer `layer`; whether it reads the next layers' guesses ahead on demand."""
@@ -247,6 +249,9 @@ class RouterLookahead:
         score = self.gate is not None and not streaming and micro_batch is None
         if not (read or score or self.eviction is not None):
             return
+        if score and not read and self.eviction is None and hidden_states.is_cuda:
+            self._score_later(nxt, hidden_states)
+            return
         likely = self.likely_experts(nxt, hidden_states)
         if micro_batch is not None:     # the layer's slices so far name the next layer's experts together
             earlier = self._local.slice_guesses.get(nxt, []) if micro_batch.index > 0 else []
@@ -259,6 +264,19 @@ class RouterLookahead:
             self.cache.read_ahead(nxt, likely)
         if self.eviction is not None:
             self._predict_uses(nxt, likely, hidden_states)
+
+    def _score_later(self, nxt: int, hidden_states: torch.Tensor) -> None:
+        """Score-only guesses on CUDA: the counts come to the host without a sync of their own (a copy into pinned
+        memory, done by the time the next layer's routing has synchronized), and are ranked at its `on_route`."""
+        indices = self._routed_indices(nxt, hidden_states)
+        if indices is None:
+            return                              # every expert would be guessed: nothing to learn
+        counts = torch.bincount(indices.reshape(-1), minlength=self.layers[nxt].layer.num_experts)
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record(torch.cuda.current_stream(counts.device))
+        self._local.guesses[nxt] = _PendingGuess(host, copied)
 
     def _predict_uses(self, nxt: int, likely: list[int], hidden_states: torch.Tensor) -> None:
         """Tell the eviction policy the experts the next layers of this pass will likely use."""
@@ -277,6 +295,9 @@ class RouterLookahead:
         guesses = self._local.guesses.pop(layer, None)
         if guesses is None:
             return
+        if isinstance(guesses, _PendingGuess):
+            top_k = self.layers[layer].layer.top_k
+            guesses = {e for e in guesses.ranked()[:top_k] if (layer, e) not in self.cache.resident}
         routed = {int(e) for e in experts}
         others = routed - guesses
         resident = sum(1 for e in others if (layer, e) in self.cache.resident)
@@ -289,7 +310,8 @@ class RouterLookahead:
         if self.gate is None:
             self.counters.set_lookahead(self.prefetch == "lookahead", None, None)
         else:
-            self.counters.set_lookahead(self.gate.on, self.gate.precision, self.gate.break_even, self.gate.hit_saves)
+            self.counters.set_lookahead(self.reading_ahead, self.gate.precision, self.gate.break_even,
+                                        self.gate.hit_saves)
 
     def _reads_this_pass(self, streaming: bool) -> bool:
         """Whether this on-demand pass reads the next layers' guesses ahead: always with prefetch="lookahead"; with
@@ -302,13 +324,17 @@ class RouterLookahead:
         if self.gate is None:
             return False
         if not self.gate.on:
+            stale = self.trial.verdict != "trial" or any(self.trial.passes.values())
             self.trial.reset()                      # what it measured is stale once the precision rule says no
+            if stale:                               # so the counters show no verdict of a trial set aside
+                self.counters.set_lookahead_trial(self.trial.verdict, self.trial.stall, self.trial.passes)
             self._trial_base = None
             return False
         stall = self.counters.stall_and_misses()[0]
         base, self._trial_base = self._trial_base, stall
         reading = self.trial.next_pass(None if base is None or stall < base else stall - base)
         self.counters.set_lookahead_trial(self.trial.verdict, self.trial.stall, self.trial.passes)
+        self._publish()                             # lookahead_on follows the verdict
         return reading
 
     def _measure_exposure(self, layer: int) -> None:
@@ -334,18 +360,34 @@ class RouterLookahead:
     def likely_experts(self, layer: int, hidden_states: torch.Tensor) -> list[int]:
         """Layer `layer`'s router applied to these hidden states, selecting as that router does (its
         `RouterKind`): experts any token would pick, most-routed first; every expert if it cannot be rebuilt."""
+        indices = self._routed_indices(layer, hidden_states)
+        num_experts = self.layers[layer].layer.num_experts
+        return list(range(num_experts)) if indices is None else rank_experts(indices, num_experts)
+
+    def _routed_indices(self, layer: int, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        """The experts [T, k] layer `layer`'s router would pick for these hidden states, on their device; None
+        when the router cannot be rebuilt (every expert is then a guess)."""
         record = self.layers[layer]
-        num_experts = record.layer.num_experts
         kind = record.router_kind
         if kind is not None:
-            if kind.refused:
-                return list(range(num_experts))
-            return rank_experts(kind.experts_for(hidden_states), num_experts)
+            return None if kind.refused else kind.experts_for(hidden_states)
         weight = record.router_weight
         if weight is None:
-            return list(range(num_experts))
+            return None
         logits = F.linear(hidden_states.to(weight.dtype), weight)                     # [T, E]
-        return rank_experts(logits.topk(record.layer.top_k, dim=-1).indices, num_experts)
+        return logits.topk(record.layer.top_k, dim=-1).indices
+
+
+class _PendingGuess:
+    """Expert counts [E] on their way to pinned host memory (`_score_later`); `ranked()` waits for the copy."""
+
+    def __init__(self, host: torch.Tensor, copied: torch.cuda.Event):
+        self.host, self.copied = host, copied
+
+    def ranked(self) -> list[int]:
+        self.copied.synchronize()       # done already: the next layer's routing synchronized its stream
+        order = torch.argsort(self.host, descending=True, stable=True)
+        return [int(e) for e in order if self.host[e] > 0]
 
 
 def rank_experts(indices: torch.Tensor, num_experts: int) -> list[int]:

@@ -68,6 +68,8 @@ class PassScheduler(LayerHook):
         self.layers = layer_records(engine)
         self.lookahead = RouterLookahead(engine, self.layers, gate)
         self._local = PassState()
+        # CUDA stalls are timed by events and counted once settled: the look-ahead gate reads them at every pass.
+        self._settle = torch.device(policy.device).type == "cuda" or getattr(engine, "devices", None) is not None
 
     def before_experts(self, layer: int, hidden_states: torch.Tensor) -> None:
         state = self._local
@@ -91,6 +93,8 @@ class PassScheduler(LayerHook):
             streaming = self.schedule == "stream"
         state = self._local
         state.streaming = streaming
+        if self._settle:
+            self.cache.settle_stalls(block=False)
         state.reading = self.lookahead.begin_pass(moe.index, streaming)   # once per pass: room and reads agree
         if streaming:
             self.cache.begin_pass(self.window)
