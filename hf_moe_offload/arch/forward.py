@@ -31,7 +31,7 @@ def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, 
     Exactly one host sync per call: the indices come to the host once and are sorted and counted there (on CUDA,
     `bincount` alone would sync twice more); the sorted row order goes back to the device in one copy.
     """
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+    if expert_of_row.is_cuda and _capturing(expert_of_row.device):
         raise RuntimeError("hf_moe_offload's offloaded experts cannot be captured in a CUDA graph: which experts "
                            "run is decided on the host at every step. Generate without CUDA graphs (no "
                            "torch.compile(mode='reduce-overhead'), no manual capture; generate_batch: pass "
@@ -46,6 +46,12 @@ def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, 
             rows[expert] = order[start:start + count]
         start += count
     return rows
+
+
+def _capturing(device: torch.device) -> bool:
+    """Whether `device`'s current stream is capturing a CUDA graph (the check looks at the current device only)."""
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def expert_linear(x: torch.Tensor, weight) -> torch.Tensor:

@@ -35,13 +35,14 @@ from transformers.modeling_utils import AttentionInterface
 
 from .._compat import cache_keyword, is_continuous_batching, kv_cache
 from ..policy.offload_policy import PolicyError
+from ..storage.store import HostMemory
 
 logger = logging.getLogger(__name__)
 
 ATTN_IMPLEMENTATION = "hf_moe_offload_cpu"
 HOST = torch.device("cpu")
 _STATE_ATTR = "_hf_moe_offload_cpu_attention"
-_MIN_CAPACITY = 64           # tokens a host layer's buffer holds at first; it doubles when full
+_MIN_CAPACITY = 64           # tokens a host layer's buffer holds at first; it doubles when full (pinned: x1.5)
 SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
 
@@ -87,17 +88,27 @@ class HostLayer(DynamicLayer):
         return self.keys, self.values
 
     def _grow(self, n: int, need: int, key_states: torch.Tensor, value_states: torch.Tensor):
-        """New buffers of at least `need` rows holding the `n` rows cached now (wherever `keys` is)."""
-        capacity = max(need, _MIN_CAPACITY, 2 * n)
+        """New buffers of at least `need` rows holding the `n` rows cached now (wherever `keys` is).
+
+        Pinned buffers (from CUDA) are registered exactly (`HostMemory`: torch's pinned allocator would round each
+        up to a power of two and keep every outgrown one cached) and grow by half, not double; the outgrown pair
+        is unpinned and freed once replaced."""
         pin = key_states.device.type == "cuda" or (self.keys is not None and self.keys.is_pinned())
+        capacity = max(need, _MIN_CAPACITY, n + n // 2 if pin else 2 * n)
+        memory = None
+        if pin:
+            memory = HostMemory(key_states.device if key_states.is_cuda else
+                                torch.device("cuda", torch.cuda.current_device()))
         bufs = []
         for new, old in ((key_states, self.keys), (value_states, self.values)):
             b, h, _, d = new.shape
-            buf = torch.empty((b, h, capacity, d), dtype=new.dtype, pin_memory=pin)
+            buf = memory.empty((b, h, capacity, d), new.dtype) if memory is not None else \
+                torch.empty((b, h, capacity, d), dtype=new.dtype)
             if n:
                 buf[:, :, :n].copy_(old)
             bufs.append(buf)
         self._buffers_kv = (bufs[0], bufs[1])
+        self._host_memory = memory       # the outgrown buffers' registration ends with the memory it replaces
         self.dtype = key_states.dtype
         self.device = HOST
         return self._buffers_kv
@@ -334,7 +345,17 @@ def restore_attention(model: nn.Module) -> nn.Module:
         del model.generate_batch
     model.set_attn_implementation(before)
     delattr(model, _STATE_ATTR)
+    _empty_host_cache()
     return model
+
+
+def _empty_host_cache() -> None:
+    """Give torch's cached pinned blocks (the per-step query and new K/V copies) back to the OS."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    empty = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache", None)
+    if empty is not None:
+        empty()
 
 
 def cpu_attention_enabled(model: nn.Module) -> bool:

@@ -53,8 +53,8 @@ from torch import nn
 from transformers import ContinuousBatchingConfig
 from transformers.utils.generic import is_flash_attention_requested
 
-from ..attention.packed import runs_packed, use_packed_attention
-from ..planning.footprint import sequence_costs
+from ..attention.packed import one_packed_run_at_a_time, runs_packed, use_packed_attention
+from ..planning.footprint import CUDA_HEADROOM_FLOOR, sequence_costs
 from ..policy.offload_policy import PolicyError, format_bytes
 from ..runtime.engine import get_engine
 from .pass_costs import PassCosts, measure_pass_costs
@@ -168,15 +168,37 @@ def token_budget(model: nn.Module, page_size: int, pass_costs: PassCosts | None 
 
 
 def _blocks_in_free_memory(model: nn.Module, engine, page_size: int) -> int:
-    """KV blocks that fit in `KV_FREE_SHARE` of the compute device's memory free now (after the expert cache)."""
+    """KV blocks that fit in `KV_FREE_SHARE` of the compute device's memory free now (after the expert cache).
+
+    On CUDA, the activations of the plan's max_batch_size x max_seq_len tokens and the headroom floor are not
+    free for KV: an "auto" cache left exactly that (with the plan's KV), and `max_batch_tokens` still uses all
+    those activations."""
     device = torch.device(engine.policy.device) if engine.devices is None else \
         next(iter(engine.cache.caches.values())).device
     if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
+        planned_tokens = int(engine.policy.max_batch_size) * int(engine.policy.max_seq_len)
+        activations = planned_tokens * sequence_costs(model.config, model.dtype)["activation_bytes_per_token"]
+        free = max(0, torch.cuda.mem_get_info(device)[0] - activations - CUDA_HEADROOM_FLOOR)
     else:
         free = psutil.virtual_memory().available
     block_bytes = page_size * sequence_costs(model.config, model.dtype)["kv_bytes_per_token"]
     return int(free * KV_FREE_SHARE[device.type == "cuda"] // max(block_bytes, 1))
+
+
+def without_cuda_graphs(config: ContinuousBatchingConfig) -> ContinuousBatchingConfig:
+    """A user's `ContinuousBatchingConfig` for an offloaded model: `use_cuda_graph` unset becomes False (a copy,
+    logged; transformers would turn graphs on where no mask is needed, and capture cannot run the offloaded
+    experts); asking for graphs is refused."""
+    graphs = config.use_cuda_graph
+    if graphs is None:
+        logger.info("hf_moe_offload continuous batching: use_cuda_graph=False on the given ContinuousBatchingConfig "
+                    "(which experts run is decided on the host every pass, so it cannot be captured)")
+        return dataclasses.replace(config, use_cuda_graph=False)
+    if graphs is True or (isinstance(graphs, (tuple, list)) and any(graphs)):
+        raise PolicyError(f"use_cuda_graph={graphs!r} is not allowed on a model offloaded by hf_moe_offload: "
+                          f"which experts run is decided on the host every pass, so a pass cannot be captured; "
+                          f"allowed: use_cuda_graph=False or None")
+    return config
 
 
 def _usable(workload) -> bool:
@@ -246,15 +268,20 @@ def install_batching_defaults(model: nn.Module) -> Callable[[], None] | None:
         reused = getattr(model, "_cached_continuous_batching_manager", None) is not None   # its config stays
         if not given and not reused:
             continuous_batching_config = offload_batching_config(model, workload=workload_hints)
+        elif given and not reused:
+            continuous_batching_config = without_cuda_graphs(
+                continuous_batching_config or generation.continuous_batching_config)
         manager = original(generation_config=generation_config, continuous_batching_config=continuous_batching_config,
                            workload_hints=workload_hints, **kwargs)
         use_packed_attention(model, manager)     # before its first pass: no dense mask of every request's keys
         return manager
 
-    model.init_continuous_batching = init_continuous_batching
+    # One run at a time where runs switch the model's attention (sdpa -> packed): see attention.packed.
+    installed = one_packed_run_at_a_time(model, init_continuous_batching)
+    model.init_continuous_batching = installed
 
     def remove() -> None:
-        if vars(model).get("init_continuous_batching") is init_continuous_batching:
+        if vars(model).get("init_continuous_batching") is installed:
             if own is not None:
                 model.init_continuous_batching = own
             else:

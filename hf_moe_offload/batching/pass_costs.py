@@ -184,7 +184,7 @@ def _host_to_device_rate(store: Any, device: torch.device) -> float:
 
 def _best_of(run, device: torch.device, repeats: int) -> float:
     """Fastest of `repeats` timed runs after one untimed warm-up (synchronized on CUDA)."""
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     run()
     sync()
     best = math.inf

@@ -63,6 +63,8 @@ class Footprint:
     # Why CPU attention (hf_moe_offload.attention.cpu) cannot serve this model, or None if it can: attention="auto"
     # then never picks it.
     cpu_attention_refusal: str | None = None
+    # Quantized experts on CUDA: the largest temporaries one expert's matmul makes (`dequant_workspace_bytes`).
+    dequant_workspace_bytes: int = 0
 
     @property
     def min_cache_bytes(self) -> int:
@@ -162,9 +164,14 @@ def auto_store(expert_bytes: int, resident_bytes: int, on_cpu: bool, host_bytes:
 
 
 def free_bytes(device: torch.device) -> int:
+    """Bytes an allocation on `device` can have now: on CUDA the driver's free memory plus what torch holds cached
+    but unused (the cache is emptied before the expert cache is allocated), within the per-process memory fraction
+    (`torch.cuda.set_per_process_memory_fraction`, which the driver does not see)."""
     if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
+        free, total = torch.cuda.mem_get_info(device)
+        allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
+        fraction = torch.cuda.get_per_process_memory_fraction(device)
+        return max(0, min(free + reserved - allocated, int(fraction * total) - allocated))
     return int(psutil.virtual_memory().available * (1 - HOST_HEADROOM))
 
 
@@ -175,11 +182,13 @@ def headroom_bytes(device: torch.device, fp: Footprint, batch: int, seq_len: int
     kv = tokens * fp.kv_bytes_per_token if kv_on_device else 0
     activations = tokens * fp.activation_bytes_per_token
     floor = CUDA_HEADROOM_FLOOR if device.type == "cuda" else 0   # on the CPU, HOST_HEADROOM's share covers it
+    # CUDA dequantizes a quantized expert's weights for its matmul (the CPU has kernels that read them packed).
+    workspace = fp.dequant_workspace_bytes if device.type == "cuda" else 0
     logger.info("hf_moe_offload: headroom on %s %s = KV cache %s (max_batch_size=%d x max_seq_len=%d x %s per "
-                "token) + activations %s + floor %s", device, format_bytes(kv + activations + floor),
+                "token) + activations %s + floor %s%s", device, format_bytes(kv + activations + floor + workspace),
                 format_bytes(kv), batch, seq_len, format_bytes(fp.kv_bytes_per_token), format_bytes(activations),
-                format_bytes(floor))
-    return kv + activations + floor
+                format_bytes(floor), f" + dequantization workspace {format_bytes(workspace)}" if workspace else "")
+    return kv + activations + floor + workspace
 
 
 def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
@@ -194,9 +203,10 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
     else:
         slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
         experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
+    workspace = max(q.dequant_workspace_bytes for q in quantized) if quantized else 0
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k,
                      layer_experts=tuple(lay.num_experts for lay in layers), **sequence_costs(model.config, dtype),
-                     cpu_attention_refusal=_cpu_attention_refusal(model))
+                     cpu_attention_refusal=_cpu_attention_refusal(model), dequant_workspace_bytes=workspace)
 
 
 def _cpu_attention_refusal(model: nn.Module) -> str | None:

@@ -119,8 +119,7 @@ class OffloadEngine:
                 cache = ExpertCache(store, device, budget_bytes, policy.eviction, stats, policy.expert_compute,
                                     policy.resident_layers)
         except BaseException:                     # e.g. out of device memory: give the experts back, unchanged
-            for layer, to in zip(layers, restore_each):
-                arch.set_expert_params(layer.module, read_layer_experts(store, layer, to))
+            _restore_after_failed_attach(arch, layers, store, restore_each)
             raise
         engine = cls(model, policy, arch, layers, store, cache, stats, restore_to, moved_resident_from, devices)
         if not cache.zero_copy:
@@ -207,14 +206,32 @@ class OffloadEngine:
 
     # -- detach ---------------------------------------------------------------------------------------------------
 
+    def _restore_experts(self, experts: list | None) -> None:
+        """Give each layer its experts back as parameters, one layer at a time: from `experts` (read before), or
+        straight from a host store, whose copy of the layer is released once restored."""
+        with torch.inference_mode(False):
+            for i, (layer, device) in enumerate(zip(self.layers, self.restore_devices)):
+                if experts is None:
+                    stacked = read_layer_experts(self.store, layer, device)
+                else:
+                    stacked, experts[i] = experts[i], None
+                self.arch.set_expert_params(layer.module, {name: t.to(device) for name, t in stacked.items()})
+                del stacked
+                if experts is None:
+                    self.store.release_layer(layer.index)
+
     def detach(self) -> None:
         """Give the experts back to the model as parameters and remove everything attached.
 
-        Every expert is read into host memory first: a failed read raises here and leaves the model offloaded and
-        working. Then the cache is freed before the experts go back to the device, so the two never coexist there.
+        A store on disk is read into host memory first: a failed read raises here and leaves the model offloaded
+        and working. A store in host memory cannot fail a read, so its experts go back one layer at a time, each
+        layer's host copy released once restored: host memory never holds a second copy of every expert. Either
+        way the cache is freed before the experts go back to the device, so the two never coexist there.
         """
-        with torch.inference_mode(False), self.cache.lock:
-            experts = [read_layer_experts(self.store, layer, torch.device("cpu")) for layer in self.layers]
+        experts: list | None = None
+        if not self.store.in_host_memory:
+            with torch.inference_mode(False), self.cache.lock:
+                experts = [read_layer_experts(self.store, layer, torch.device("cpu")) for layer in self.layers]
         for hook in list(self.hooks):
             hook.close()
         self.hooks.clear()
@@ -230,15 +247,23 @@ class OffloadEngine:
         for layer in self.layers:
             self.arch.detach(self.model, layer)
         self.cache.close()
+        self._restore_experts(experts)
         self.store.close()
-        for layer, stacked, device in zip(self.layers, experts, self.restore_devices):
-            on_device = {name: t.to(device) for name, t in stacked.items()}
-            self.arch.set_expert_params(layer.module, on_device)
         if self.moved_resident_from is not None:
             move_resident_part(self.model, self.layers, self.moved_resident_from)
         for cleanup in self.on_detach:
             cleanup()
         delattr(self.model, ENGINE_ATTR)
+
+
+def _restore_after_failed_attach(arch: MoEArch, layers: list[MoELayer], store: ExpertStore,
+                                 restore_each: list[torch.device]) -> None:
+    """Give the released experts back after the cache could not be built (e.g. out of device memory): what that
+    attempt allocated is returned to the device first, then the layers come back one at a time."""
+    if any(d.type == "cuda" for d in restore_each):
+        torch.cuda.empty_cache()
+    for layer, to in zip(layers, restore_each):
+        arch.set_expert_params(layer.module, read_layer_experts(store, layer, to))
 
 
 def read_layer_experts(store: ExpertStore, layer: MoELayer, device: torch.device) -> dict[str, torch.Tensor]:

@@ -137,6 +137,21 @@ class QuantizedSlabLayout:
                                        scales))
         return cls(dense, method, group_size, compute_dtype, tuple(parts), _align(offset))
 
+    @property
+    def dequant_workspace_bytes(self) -> int:
+        """The most bytes of temporaries one matmul over these weights makes on a device without a packed kernel
+        (`QuantizedWeight.linear`): the int8 weight in the compute dtype, or one int4 row chunk in float32 (three
+        alive at once) and in the compute dtype."""
+        itemsize = self.compute_dtype.itemsize
+        most = 0
+        for p in self.qparts:
+            if p.method == "int8":
+                most = max(most, p.shape[0] * p.shape[1] * itemsize)
+            else:
+                rows = min(p.shape[0], _int4_chunk_rows(p))
+                most = max(most, rows * p.padded_k * (3 * 4 + itemsize))
+        return most
+
     def with_packing(self, packing: str) -> "QuantizedSlabLayout":
         return QuantizedSlabLayout.build(self.dense, self.method, self.group_size, self.compute_dtype, packing)
 
@@ -210,7 +225,25 @@ class QuantizedWeight:
                     flat = F.pad(flat, (0, p.padded_k - p.shape[1]))                     # zero columns: no effect
                 out = torch._weight_int4pack_mm_for_cpu(flat, self.data, p.group, self.scales)
                 return out.view(*x.shape[:-1], p.shape[0])
+        if self.device.type == "cuda":
+            return self._device_linear(x)
         return F.linear(x, self.dequantize())
+
+    def _device_linear(self, x: torch.Tensor) -> torch.Tensor:
+        """No float32 copy of the whole weight: int8 converts to the compute dtype exactly and scales the output
+        per channel; int4 dequantizes a chunk of output rows at a time (`dequant_workspace_bytes` bounds both)."""
+        p = self.part
+        if p.method == "int8":
+            return F.linear(x, self.data.to(self.dtype)) * self.scales
+        if p.packing != "plain":                 # torch's CPU int4 format is unpacked on the host only
+            return F.linear(x, self.dequantize())
+        rows = _int4_chunk_rows(p)
+        outs = []
+        for start in range(0, p.shape[0], rows):
+            q = unpack_nibbles(self.data[start:start + rows])                              # [n, Kp] uint8
+            w = dequantize_int4(q, self.scales[:, start:start + rows], p.group)[:, :p.shape[1]].to(self.dtype)
+            outs.append(F.linear(x, w))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def dequantize(self) -> torch.Tensor:
         """The approximate dense weight [N, K] in the compute dtype."""
@@ -226,6 +259,13 @@ class QuantizedWeight:
 
 
 # -- the arithmetic -------------------------------------------------------------------------------------------------
+
+INT4_CHUNK_ELEMENTS = 1 << 24     # int4 weights dequantized on a device this many entries at a time (64 MiB fp32)
+
+
+def _int4_chunk_rows(p: QuantizedPart) -> int:
+    return max(1, INT4_CHUNK_ELEMENTS // p.padded_k)
+
 
 def quantize_int8(w: torch.Tensor, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """w [N, K] float32 -> (q int8 [N, K], scale [N] in `scale_dtype`), symmetric per output channel."""

@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import math
 import mmap
@@ -55,9 +56,12 @@ class HostMemory:
     def __init__(self, device: torch.device | None):
         self.device = device
         self.pinned_bytes = 0
-        # (registered address, the allocation holding it): the memory stays alive until it is unregistered.
-        self._registered: list[tuple[int, torch.Tensor]] = []
-        self._unregister = weakref.finalize(self, _unregister_all, self._registered, device)
+        # (registered address, bytes, the allocation holding it): the memory stays alive until it is unregistered.
+        self._registered: list[tuple[int, int, torch.Tensor]] = []
+        # Every device whose copy engine reads these buffers (a host store serves the caches of several GPUs):
+        # each must be idle before the memory is unregistered.
+        self._readers: set[torch.device] = set() if device is None else {device}
+        self._unregister = weakref.finalize(self, _unregister_all, self._registered, self._readers)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor, pinned when this memory has a device."""
@@ -69,9 +73,25 @@ class HostMemory:
             raw = torch.empty(size + PAGE, dtype=torch.uint8)   # room to start on a page boundary
             start = -raw.data_ptr() % PAGE
             _register(raw.data_ptr() + start, size, self.device)
-            self._registered.append((raw.data_ptr() + start, raw))
+            self._registered.append((raw.data_ptr() + start, size, raw))
             self.pinned_bytes += size
             return raw[start:start + nbytes].view(dtype).view(shape)
+
+    def note_reader(self, device: torch.device) -> None:
+        """`device`'s copy engine reads these buffers: unregistering waits for it too."""
+        if self.device is not None:
+            self._readers.add(device)
+
+    def release(self, tensor: torch.Tensor) -> None:
+        """Unregister and forget the buffer `tensor` came from (`empty`), so that it is freed with its last
+        reference instead of with this memory; nothing happens for a buffer this memory does not hold."""
+        storage = tensor.untyped_storage().data_ptr()
+        entry = next((e for e in self._registered if e[2].untyped_storage().data_ptr() == storage), None)
+        if entry is None:
+            return
+        self._registered.remove(entry)
+        _unregister_all([entry], self._readers)
+        self.pinned_bytes -= entry[1]
 
     def close(self) -> None:
         """Unregister every buffer (they stay valid as ordinary memory while referenced)."""
@@ -82,20 +102,57 @@ class HostMemory:
 def _register(address: int, nbytes: int, device: torch.device) -> None:
     with torch.cuda.device(device):
         result = torch.cuda.cudart().cudaHostRegister(address, nbytes, 0)
+        code = int(result)
+        if code:
+            # The runtime also left the error as this thread's last error, which torch's next kernel launch check
+            # (cudaGetLastError) would raise as its own: clear it while still on this device.
+            _clear_last_cuda_error()
+    if code:
+        raise RuntimeError(f"cannot pin {nbytes} bytes of host memory for {device} (CUDA error {code}: "
+                           f"{_cuda_error_name(result)}): the host may be out of lockable memory (see `ulimit -l`); "
+                           f"use store='disk' or free host memory")
+
+
+def _cuda_error_name(result) -> str:
     try:
-        torch.cuda.check_error(result)
-    except torch.cuda.CudaError as err:
-        raise RuntimeError(f"cannot pin {nbytes} bytes of host memory for {device} ({err}): the host may be out of "
-                           f"lockable memory (see `ulimit -l`); use store='disk' or free host memory") from err
+        return torch.cuda.cudart().cudaGetErrorString(result)
+    except Exception:            # the name is only for the message
+        return str(result)
 
 
-def _unregister_all(registered: list[tuple[int, torch.Tensor]], device: torch.device | None) -> None:
-    """Unregister after the device is idle: a DMA may still read a slab or staging buffer."""
+def _clear_last_cuda_error() -> None:
+    """`cudaGetLastError()` in the CUDA runtime torch loaded (the error state is that library's, per thread)."""
+    runtime = _loaded_cudart()
+    if runtime is not None:
+        runtime.cudaGetLastError()
+
+
+def _loaded_cudart():
+    """The CUDA runtime library already loaded in this process (ctypes), or None when none is found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            path = next((line.split()[-1] for line in maps if "libcudart" in line.rsplit("/", 1)[-1]), None)
+    except OSError:
+        path = None
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(path)
+    except OSError:
+        return None
+
+
+def _unregister_all(registered: list[tuple[int, int, torch.Tensor]], readers: set[torch.device]) -> None:
+    """Unregister after every device that reads the buffers is idle: a DMA may still read a slab or staging
+    buffer."""
     if not registered:
         return
+    for device in readers:
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)
+    device = next(iter(readers))
     with torch.cuda.device(device):
-        torch.cuda.synchronize(device)
-        results = [torch.cuda.cudart().cudaHostUnregister(address) for address, _ in registered]
+        results = [torch.cuda.cudart().cudaHostUnregister(address) for address, _, _ in registered]
     registered.clear()
     for result in results:
         torch.cuda.check_error(result)
@@ -159,6 +216,10 @@ class ExpertStore:
     def host_slab(self, layer: int, expert: int) -> torch.Tensor | None:
         """The expert's slab in host memory, or None when it must be read (`read_into`)."""
         return None
+
+    def release_layer(self, layer: int) -> None:
+        """Free the host copy of `layer`'s experts (`disable()`, once they are back in the model); the store is
+        closed next and must not be read for that layer again. Nothing to do for a store that holds none."""
 
     def read_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
         raise NotImplementedError
@@ -405,6 +466,10 @@ class CpuStore(ExpertStore):
 
     def read_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
         dst[:self.layouts[layer].numel].copy_(self.slabs[layer][expert])
+
+    def release_layer(self, layer: int) -> None:
+        self.memory.release(self.slabs[layer])
+        self.slabs[layer] = self.slabs[layer].new_empty((0, self.slabs[layer].shape[1]))   # no view: freed
 
     def close(self) -> None:
         """Unpin the slabs (they stay readable as ordinary memory: `disable()` reads them before closing)."""
