@@ -263,3 +263,58 @@ def test_refuses_models_it_cannot_size(tiny_models):
     seq2seq = offloaded("switch_transformers", tiny_models["switch_transformers"], **POLICIES["cpu-store"])
     with pytest.raises(hf_moe_offload.PolicyError, match="decoder-only"):
         offload_batching_config(seq2seq)
+
+
+# -- several callers on one model ---------------------------------------------------------------------------------
+
+def _in_threads(*calls, timeout: float = 120.0) -> list:
+    """Run each call in its own thread, started together; their results (an exception is re-raised)."""
+    import threading          # only these tests start threads
+
+    results: list = [None] * len(calls)
+    start = threading.Barrier(len(calls))
+
+    def run(i, call):
+        start.wait()
+        try:
+            results[i] = call()
+        except BaseException as exc:                                      # noqa: BLE001 - reported below
+            results[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i, c), daemon=True) for i, c in enumerate(calls)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout)
+    assert not any(thread.is_alive() for thread in threads), f"a caller did not finish within {timeout} s"
+    for result in results:
+        if isinstance(result, BaseException):
+            raise result
+    return results
+
+
+def test_two_threads_calling_generate_batch_both_get_the_unpatched_tokens(tiny_models, references, caplog):
+    plain = references["mixtral"][1]
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"])
+    halves = (_prompts()[:3], _prompts()[3:])
+    with caplog.at_level(logging.WARNING, logger="hf_moe_offload"):
+        first, second = _in_threads(*(lambda p=p: _generate_batch(model, p, _cb_config(16)) for p in halves))
+    assert first + second == plain
+    assert model.config._attn_implementation == "sdpa"                   # put back once both have stopped
+    waited = [r.getMessage() for r in caplog.records if "waits for it to finish" in r.getMessage()]
+    assert len(waited) <= 1                                               # the second waited (or came after)
+
+
+def test_plain_generate_beside_a_running_generate_batch_gives_the_unpatched_tokens(tiny_models, references):
+    ref_model, plain = references["mixtral"]
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"])
+    prompts = _prompts()
+    ids = torch.tensor([[0] * (31 - len(p)) + p for p in prompts])            # left-padded: the mask matters
+    mask = (torch.arange(31)[None, :] >= torch.tensor([31 - len(p) for p in prompts])[:, None]).long()
+    expected = ref_model.generate(ids, attention_mask=mask, generation_config=GEN)
+    batched, direct = _in_threads(lambda: _generate_batch(model, prompts * 3, _cb_config(8)),
+                                  lambda: [model.generate(ids, attention_mask=mask, generation_config=GEN)
+                                           for _ in range(4)])
+    assert batched == plain * 3
+    for out in direct:
+        assert torch.equal(out, expected)

@@ -87,11 +87,18 @@ def test_packed_attention_equals_the_dense_block_diagonal_mask(layer_type, windo
     torch.testing.assert_close(packed, expected, rtol=1e-5, atol=1e-6)
 
 
-def test_packed_attention_refuses_calls_outside_continuous_batching():
+def test_calls_outside_continuous_batching_are_sdpa_and_odd_packed_calls_are_refused():
     module = Attention(2, 2, None)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(2, 2, 5, 4, generator=g) for _ in range(3))
+    mask = torch.ones(2, 1, 5, 5, dtype=torch.bool).tril()
+    mask[1, :, :, :2] = False                                             # a left-padded row
+    torch.testing.assert_close(packed_attention_forward(module, q, k, v, mask)[0],
+                               sdpa_attention_forward(module, q, k, v, mask)[0])
     x = torch.zeros(1, 2, 3, 4)
     with pytest.raises(RuntimeError, match="continuous batching's packed passes only"):
-        packed_attention_forward(module, x, x, x, None)
+        packed_attention_forward(module, x, x, x, None, cu_seq_lens_q=torch.tensor([0, 3]),
+                                 block_table=torch.zeros(1, 1))
     with pytest.raises(RuntimeError, match="not read from the paged cache"):
         packed_attention_forward(module, x, x, x, None, cu_seq_lens_q=torch.tensor([0, 3]),
                                  cu_seq_lens_k={"full_attention": torch.tensor([0, 3])})
@@ -190,3 +197,14 @@ def test_padded_query_tokens_get_zeros_not_garbage():
     assert out.shape == (1, 5, 2, 4) and torch.equal(out[0, 3:], torch.zeros(2, 2, 4))
     expected = F.scaled_dot_product_attention(query[:, :, :3], key, value, is_causal=True)
     torch.testing.assert_close(out[:, :3], expected.transpose(1, 2))
+
+
+def test_the_mask_is_sdpas_except_in_a_runs_generation_thread():
+    args = {"batch_size": 1, "q_length": 4, "kv_length": 4, "attention_mask": torch.tensor([[0, 1, 1, 1]]).bool()}
+    from transformers.masking_utils import sdpa_mask
+    torch.testing.assert_close(packed_attention.packed_mask(**args), sdpa_mask(**args))
+    packed_attention._layout.in_run = True
+    try:
+        assert packed_attention.packed_mask(**args) is None
+    finally:
+        packed_attention._layout.in_run = False

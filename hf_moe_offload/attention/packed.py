@@ -19,6 +19,12 @@ An offloaded model uses it for `generate_batch` / `init_continuous_batching` whe
 (`use_packed_attention`, called by `batching.install_batching_defaults`'s wrapper). transformers' manager puts the
 model's own implementation back when it stops.
 
+The switch is the model's, not the run's: transformers' manager reads and sets `config._attn_implementation`, which
+every attention layer reads, and refuses to start while another run has switched it. So runs that switch wait for
+each other (`one_packed_run_at_a_time`, with a log line), while any other call beside a run is served as sdpa would
+serve it: outside continuous batching's packed passes the registered function is sdpa, and its registered mask
+function is sdpa's (none in the generation thread of a run, whose packed passes need none).
+
 Example:
     >>> from hf_moe_offload.attention.packed import use_packed_attention         # doctest: +SKIP
     >>> manager = model.init_continuous_batching(generation_config=gc)          # doctest: +SKIP
@@ -27,14 +33,17 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.generation.continuous_batching import PagedAttentionCache
-from transformers.integrations.sdpa_attention import repeat_kv
+from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.modeling_utils import AttentionInterface
 
 logger = logging.getLogger(__name__)
@@ -53,6 +62,7 @@ class _PassLayout(threading.local):
     version: int = -1
     cq: list[int] = []
     keys: list = []                          # (cu_k tensor, its version, its host list, decode gathers) per type
+    in_run: bool = False                     # this thread is a packed run's generation loop
 
 
 _layout = _PassLayout()
@@ -131,11 +141,14 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
                              cache: PagedAttentionCache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """The registered attention function: query [1, heads, T, d], key/value [1, kv_heads, T, d] of a packed
-    continuous-batching pass; returns [1, T, heads, d] as transformers' attention functions do."""
+    continuous-batching pass; returns [1, T, heads, d] as transformers' attention functions do. Any other call (a
+    `generate` beside a running `generate_batch`, while the model is switched) is sdpa's, with sdpa's mask."""
+    if kwargs.get("cu_seq_lens_q") is None and not isinstance(cache, PagedAttentionCache):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
     if kwargs.get("cu_seq_lens_q") is None or kwargs.get("block_table") is not None:
         raise RuntimeError(f"attn_implementation={ATTN_IMPLEMENTATION!r} runs continuous batching's packed passes "
-                           "only (generate_batch / init_continuous_batching); for other calls the model uses its own "
-                           "attention implementation")
+                           "only (generate_batch / init_continuous_batching), without a block table")
     for unsupported in ("s_aux", "softcap", "position_bias"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"packed attention does not support {unsupported}; this model's continuous batching "
@@ -175,10 +188,17 @@ def packed_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     return out.transpose(1, 2).contiguous(), None
 
 
+def packed_mask(*args, **kwargs) -> torch.Tensor | None:
+    """The registered mask function: none in a packed run's generation thread (its passes attend request by
+    request), sdpa's everywhere else (a call beside a run gets the mask sdpa would)."""
+    return None if _layout.in_run else sdpa_mask(*args, **kwargs)
+
+
 def register() -> None:
-    """Register `packed_attention_forward` with transformers' `AttentionInterface` (idempotent). No mask function is
-    registered: masking_utils then returns no mask for it, which is what it needs."""
+    """Register `packed_attention_forward` with transformers' `AttentionInterface` and `packed_mask` with its
+    `AttentionMaskInterface` (idempotent)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, packed_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, packed_mask)
 
 
 register()
@@ -200,6 +220,7 @@ def use_packed_attention(model: nn.Module, manager) -> bool:
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     manager._original_attn_impl = original
     setattr(manager, _PACKED_MARK, True)   # a manager kept for the next session keeps its mask-free processor
+    _mark_generation_thread(manager)
     logger.info("hf_moe_offload continuous batching: attention request by request (%s) instead of %s over a dense "
                 "mask of every request's keys", ATTN_IMPLEMENTATION, current)
     return True
@@ -208,3 +229,72 @@ def use_packed_attention(model: nn.Module, manager) -> bool:
 def runs_packed(model: nn.Module) -> bool:
     """Whether `model`'s continuous batching runs packed attention (it runs sdpa outside it, or packed already)."""
     return model.config._attn_implementation in (REPLACES, ATTN_IMPLEMENTATION)
+
+
+def _mark_generation_thread(manager) -> None:
+    """Mark the thread `manager` generates in (transformers starts it on `manager._run_generation_loop`, looked up
+    on the instance) as a packed run's, so `packed_mask` builds no mask there."""
+    if "_run_generation_loop" in vars(manager):
+        return
+    loop = manager._run_generation_loop
+
+    def run_generation_loop(*args, **kwargs):
+        _layout.in_run = True
+        try:
+            return loop(*args, **kwargs)
+        finally:
+            _layout.in_run = False
+
+    manager._run_generation_loop = run_generation_loop
+
+
+def one_packed_run_at_a_time(model: nn.Module, init_continuous_batching: Callable) -> Callable:
+    """`init_continuous_batching` for `model` such that runs that switch it to packed attention (it runs sdpa) go
+    one at a time: a second waits, with a log line, until the first's manager has stopped (and put the model's
+    implementation back). A run must wait: transformers' manager refuses to start on a model switched by another
+    run, and the first run's stop would switch the model back under the second."""
+    lock = threading.Lock()
+
+    @functools.wraps(init_continuous_batching)
+    def wrapper(*args, **kwargs):
+        switches = runs_packed(model)
+        if switches and not lock.acquire(blocking=False):
+            logger.warning("hf_moe_offload continuous batching: another generate_batch is running on this model; "
+                           "this one waits for it to finish (a run switches the whole model to %s attention, and "
+                           "transformers' manager starts no other run meanwhile). Plain generate calls are not held "
+                           "up", ATTN_IMPLEMENTATION)
+            lock.acquire()
+        try:
+            manager = init_continuous_batching(*args, **kwargs)
+        except BaseException:
+            if switches:
+                lock.release()
+            raise
+        if switches:
+            _release_on_stop(model, manager, lock.release)
+        return manager
+
+    return wrapper
+
+
+def _release_on_stop(model: nn.Module, manager, release: Callable[[], None]) -> None:
+    """Call `release` once `manager.stop` has returned, after putting the model's implementation back if
+    transformers did not (it returns early for a manager that never started)."""
+    manager._hf_moe_offload_release = release
+    if "stop" in vars(manager):
+        return                              # a kept manager, already wrapped: the new release is picked up
+    stop = manager.stop
+
+    def stop_then_release(*args, **kwargs):
+        try:
+            return stop(*args, **kwargs)
+        finally:
+            original = getattr(manager, "_original_attn_impl", None)
+            if original is not None and model.config._attn_implementation == ATTN_IMPLEMENTATION:
+                model.set_attn_implementation(original)
+                manager._original_attn_impl = None
+            pending = vars(manager).pop("_hf_moe_offload_release", None)
+            if pending is not None:
+                pending()
+
+    manager.stop = stop_then_release
