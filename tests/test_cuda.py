@@ -8,9 +8,11 @@ to skip the performance guards, which print their numbers).
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -23,12 +25,12 @@ import torch
 
 import hf_moe_offload
 from hf_moe_offload._compat import cache_keyword
-from conftest import VOCAB, offloaded, reference, token_inputs
+from conftest import VOCAB, model_class, offloaded, reference, token_inputs
 from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.memory.copy_engine import CudaCopyEngine
 from hf_moe_offload.layout import SlabLayout
 from hf_moe_offload.stats import OffloadStats
-from hf_moe_offload.storage.store import CpuStore, ExpertStore
+from hf_moe_offload.storage.store import PAGE, CpuStore, ExpertStore
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -36,6 +38,27 @@ CUDA = torch.device("cuda:0")
 NUMEL = 1 << 16                 # floats per fake slab: sums of small integers stay exact in float32
 SLEEP = 1 << 27                 # GPU cycles, ~70-90 ms: far longer than any copy or kernel here
 SENTINEL = -1.0
+TEST_TIMEOUT_S = int(os.environ.get("HF_MOE_OFFLOAD_CUDA_TEST_TIMEOUT", "90"))   # per test; slow ones get 2x
+
+
+@pytest.fixture(autouse=True)
+def _per_test_timeout(request):
+    """A hung test (a stream waiting on an event that never comes) fails alone, with every thread's stack, instead
+    of eating the run's time: SIGALRM raises in the main thread, faulthandler dumps the stacks just before."""
+    limit = TEST_TIMEOUT_S * (2 if request.node.get_closest_marker("slow") else 1)
+
+    def expire(signum, frame):
+        raise TimeoutError(f"{request.node.nodeid} ran past {limit} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    faulthandler.dump_traceback_later(limit - 1, exit=False)
+    signal.alarm(limit)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        faulthandler.cancel_dump_traceback_later()
+        signal.signal(signal.SIGALRM, previous)
 
 
 # -- fakes and helpers ----------------------------------------------------------------------------------------------
@@ -371,7 +394,8 @@ def test_c11_pinned_bytes_are_the_store_bytes(tiny_models):
     disk = _on_gpu("mixtral", tiny_models["mixtral"], store="disk", expert_cache="34%")
     copy = hf_moe_offload.get_engine(disk).cache.copy
     slab = hf_moe_offload.get_engine(disk).store.slab_bytes(0)
-    assert 0 < copy.pinned_bytes <= 1.05 * (4 + 1) * slab   # DISK_READERS + 1 staging buffers of one slab
+    # DISK_READERS + 1 staging buffers of one slab, each pinned in whole pages
+    assert 0 < copy.pinned_bytes <= (4 + 1) * -(-slab // PAGE) * PAGE
 
 
 def test_c12_disable_returns_memory_and_peaks_below_cache_plus_one_layer(tiny_models):
@@ -419,21 +443,31 @@ def test_c13_enable_on_a_model_already_on_the_gpu(tiny_models):
 
 @pytest.mark.slow
 def test_c14_long_batched_generate_with_auto_cache_does_not_oom(tmp_path, monkeypatch):
-    """C14 (F6): with the device capped at 256 MiB above what is in use (allocator fraction, and mem_get_info
-    reporting it), an "auto" cache for 200 MiB of experts leaves room for a batch of 16 x 512 tokens (32 MiB of
-    KV cache, more than a fixed 10% headroom)."""
+    """C14 (F6, G12): with the process capped at about 1 GiB above what is in use (the allocator fraction, which
+    the driver's free memory does not show), an "auto" cache for a 16 x 512 workload leaves room for it: no OOM,
+    and the cache is smaller than with a one-sequence workload."""
     from test_memory import _build_big_experts_model
 
     _build_big_experts_model(tmp_path / "big")
     gc.collect()
     torch.cuda.empty_cache()
     total = torch.cuda.get_device_properties(CUDA).total_memory
-    cap = torch.cuda.memory_reserved() + 256 * 2**20
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (cap - torch.cuda.memory_reserved(), cap))
+    cap = torch.cuda.memory_reserved() + (1 << 30)
     torch.cuda.set_per_process_memory_fraction(cap / total)
+    policy = {"device": "cuda:0", "store": "cpu", "expert_cache": "auto"}
     try:
-        model = hf_moe_offload.from_pretrained(str(tmp_path / "big"), {"device": "cuda:0", "store": "cpu",
-                                                                       "expert_cache": "auto"})
+        small = hf_moe_offload.from_pretrained(str(tmp_path / "big"), {**policy, "max_batch_size": 1,
+                                                                       "max_seq_len": 512})
+        one_sequence = hf_moe_offload.get_engine(small).cache.num_slots
+        hf_moe_offload.disable(small)
+        del small
+        gc.collect()
+        torch.cuda.empty_cache()
+        model = hf_moe_offload.from_pretrained(str(tmp_path / "big"), {**policy, "max_batch_size": 16,
+                                                                       "max_seq_len": 512})
+        engine = hf_moe_offload.get_engine(model)
+        assert engine.cache.num_slots < one_sequence
+        assert engine.cache.num_slots * engine.cache.slot_bytes < engine.store.total_bytes
         ids = torch.randint(3, 128, (16, 32), device=CUDA)
         out = _generate(model, ids, torch.ones_like(ids), max_new_tokens=480, min_new_tokens=480)
         assert out.shape == (16, 512)
@@ -511,11 +545,17 @@ def test_d17_one_host_sync_per_moe_layer_in_an_all_resident_decode_step(tiny_mod
     """D17 (F10): an all-resident decode step syncs the host at most once per MoE layer more than the resident
     model's own step."""
     ids, _ = _ids(batch=2)
-    model = _on_gpu("mixtral", tiny_models["mixtral"], store="cpu", expert_cache="100%")
+    path = tiny_models["mixtral"]
+    # bf16: the resident model's grouped_mm runs CUTLASS without a sync (fp32's fallback syncs twice a layer,
+    # which would hide the offloaded step's extra syncs).
+    model = model_class("mixtral").from_pretrained(path, dtype=torch.bfloat16, offload_policy={
+        "device": "cuda:0", "store": "cpu", "expert_cache": "100%"}).eval()
     step = _decode_step(model, ids)
     step()                                               # every expert resident now
     offloaded_syncs = _count_syncs(step)
-    resident_syncs = _count_syncs(_decode_step(_resident("mixtral", tiny_models["mixtral"]), ids))
+    resident = model_class("mixtral").from_pretrained(path, dtype=torch.bfloat16,
+                                                      experts_implementation="grouped_mm").to(CUDA).eval()
+    resident_syncs = _count_syncs(_decode_step(resident, ids))
     layers = len(hf_moe_offload.get_engine(model).layers)
     print(f"host syncs per decode step: offloaded {offloaded_syncs}, resident {resident_syncs}, MoE layers {layers}")
     assert offloaded_syncs - resident_syncs <= layers
@@ -615,9 +655,11 @@ def test_d21_fine_grained_all_resident_decode_keeps_up_with_grouped_mm(tmp_path)
         torch.cuda.synchronize()
         return 64 / (time.perf_counter() - start)
 
-    resident = tokens_per_s(AutoModelForCausalLM.from_pretrained(path, experts_implementation="grouped_mm")
-                            .to(CUDA).eval())
-    ours = tokens_per_s(_on_gpu("olmoe", path, store="cpu", expert_cache="100%"))
+    # bf16: grouped_mm is the CUTLASS kernel (fp32 takes ATen's per-group fallback, no fair baseline).
+    resident = tokens_per_s(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
+                                                                 experts_implementation="grouped_mm").to(CUDA).eval())
+    ours = tokens_per_s(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, offload_policy={
+        "device": "cuda:0", "store": "cpu", "expert_cache": "100%"}).eval())
     print(f"fine-grained decode: offloaded all-resident {ours:.1f} tok/s, resident grouped_mm {resident:.1f} tok/s")
     assert ours >= 0.5 * resident
 
@@ -630,6 +672,7 @@ def test_d22_stall_is_measured_when_the_copy_stream_is_held():
     for _ in cache.fetch(0, [0, 1, 2, 3]):
         pass
     torch.cuda.synchronize()
+    cache.settle_stalls()
     stall = cache.stats.snapshot()["stall_s"]
     print(f"stall_s with the copy stream held: {stall * 1000:.1f} ms")
     assert stall >= 0.02
@@ -798,11 +841,14 @@ def test_continuous_batching_budget_on_the_gpu_measures_its_link_and_keeps_token
     from transformers import GenerationConfig
 
     from hf_moe_offload.batching.config import offload_batching_config, token_budget
+    from hf_moe_offload.batching.pass_costs import measure_pass_costs
 
     path = tiny_models["mixtral"]
     model = _on_gpu("mixtral", path, store=store, expert_cache="60%")
     budget = token_budget(model, page_size=16)
-    costs = budget.costs
+    # An sdpa model runs packed attention (no dense mask), so the budget measures nothing: measure R and alpha.
+    assert budget.costs is None
+    costs = measure_pass_costs(model, hf_moe_offload.get_engine(model))
     assert costs.bytes_per_s > 0 and costs.attention_s_per_entry > 0
     assert ("host-to-device" if store == "cpu" else "read from the store") in costs.rate_source
     assert budget.coverage_tokens <= budget.max_batch_tokens <= budget.memory_tokens
@@ -837,3 +883,152 @@ def test_micro_batches_with_cpu_attention_timing(tmp_path, count):
     torch.cuda.synchronize()
     print(f"micro_batches={count}: {64 * 16 / (time.perf_counter() - start):.1f} tok/s (prefill included)")
     assert hf_moe_offload.stats(model)["repeat_reads"] == 0
+
+
+# -- the second reading's riskiest paths: streams, memory at release, slot reuse ------------------------------------
+
+def test_resident_layers_read_on_another_stream_wait_for_their_copies(tiny_models):
+    """G2: resident layers loaded behind a held copy stream, then read at once on a user stream and by
+    generate_batch (its own compute stream in another thread): the resident model's tokens."""
+    from transformers import GenerationConfig
+
+    path = tiny_models["mixtral"]
+    ids, mask = _ids(batch=1)
+    expected = _generate(_resident("mixtral", path), ids, mask)
+    model = reference("mixtral", path).to(CUDA)
+    original = CudaCopyEngine.__init__
+
+    def held_init(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        _delay(self.stream)                      # every resident-layer copy queues behind ~80 ms
+
+    try:
+        CudaCopyEngine.__init__ = held_init
+        hf_moe_offload.enable(model, {"device": "cuda:0", "store": "cpu", "expert_cache": "100%",
+                                      "resident_layers": 1})
+    finally:
+        CudaCopyEngine.__init__ = original
+    user = torch.cuda.Stream()
+    with torch.cuda.stream(user):
+        out = _generate(model, ids.clone(), mask.clone())
+    torch.cuda.current_stream().wait_stream(user)
+    assert torch.equal(out, expected)
+    gen = GenerationConfig(max_new_tokens=10, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    batch = model.generate_batch([ids[0].tolist()], generation_config=gen, progress_bar=False)
+    assert next(iter(batch.values())).generated_tokens == expected[0, ids.shape[1]:].tolist()
+
+
+def test_a_slot_read_on_two_streams_is_not_overwritten_until_both_are_done():
+    """G2: stream A reads a slot and is held; stream B reads it and unpins last; the next copy into the slot must
+    wait for A's read too (one release marker per stream)."""
+    cache = _cache(_host_store(num_experts=2), slots=1)
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    outs = {}
+    with torch.cuda.stream(a):
+        for expert, slab in cache.fetch(0, [0]):
+            torch.cuda._sleep(SLEEP)             # A reads the slot only after ~80 ms
+            outs["a"] = slab.clone()
+    with torch.cuda.stream(b):
+        for expert, slab in cache.fetch(0, [0]):
+            outs["b"] = slab.clone()
+    for _ in cache.fetch(0, [1]):                # evicts expert 0: its copy must wait for A
+        pass
+    torch.cuda.synchronize()
+    assert torch.all(outs["a"] == _value(0, 0)) and torch.all(outs["b"] == _value(0, 0))
+    cache.close()
+
+
+def test_enable_of_a_gpu_model_with_an_injected_oom_leaves_every_layer_whole(tiny_models, monkeypatch):
+    """G1: enable() on a model on the GPU, the cache allocation failing: every layer has its experts back, on the
+    GPU, unchanged, and the model still gives its tokens."""
+    from hf_moe_offload.runtime import engine as engine_module
+
+    path = tiny_models["mixtral"]
+    model = _resident("mixtral", path)
+    ids, mask = _ids()
+    expected = _generate(model, ids, mask)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected")
+
+    monkeypatch.setattr(engine_module, "ExpertCache", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError):
+        hf_moe_offload.enable(model, {"device": "cuda:0", "store": "cpu", "expert_cache": "auto"})
+    after = dict(model.named_parameters())
+    assert set(after) == set(before)
+    assert all(after[n].is_cuda and torch.equal(after[n], before[n]) for n in before)
+    assert torch.equal(_generate(model, ids, mask), expected)
+
+
+def test_slot_memory_freed_while_copies_are_queued_is_not_overwritten_later():
+    """G11: prefetches queued behind a held copy stream, then the cache dropped without close(): a tensor of the
+    slot memory's size allocated next and filled keeps its values."""
+    store = _host_store(num_experts=4)
+    cache = _cache(store, slots=4)
+    _delay(cache.copy.stream)
+    cache.prefetch(0, [0, 1, 2, 3])
+    numel = cache.memory.numel()
+    del cache
+    gc.collect()
+    fresh = torch.full((numel,), 7.0, device=CUDA)
+    torch.cuda.synchronize()
+    assert torch.all(fresh == 7.0)
+
+
+def test_a_failed_host_registration_leaves_no_cuda_error_behind():
+    """G9: registering the same pages twice fails; the next kernel launch in this thread must not raise it."""
+    from hf_moe_offload.storage.store import HostMemory, _register
+
+    memory = HostMemory(CUDA)
+    buffer = memory.empty((PAGE // 4,), torch.float32)
+    with pytest.raises(RuntimeError, match="cannot pin"):
+        _register(buffer.data_ptr(), PAGE, CUDA)
+    x = torch.ones(4, device=CUDA) + 1                   # torch checks cudaGetLastError after this launch
+    torch.cuda.synchronize()
+    assert x.sum().item() == 8
+    memory.close()
+
+
+@pytest.mark.parametrize("expert_compute", ["device", "auto"])
+def test_micro_batch_holds_and_mixed_cpu_experts_keep_tokens_with_a_held_compute_stream(tiny_models,
+                                                                                        expert_compute):
+    """Slot reuse while another path still reads: micro-batches hold their layer's slots (fetch(hold=True)), and
+    expert_compute="auto" mixes CPU-computed and copied experts in one layer, under a user stream held at start."""
+    path = tiny_models["mixtral"]
+    ids, mask = _ids(batch=4, left_pad=True)
+    expected = _generate(_resident("mixtral", path), ids, mask)
+    model = _on_gpu("mixtral", path, store="cpu", expert_cache="34%", micro_batches=2,
+                    expert_compute=expert_compute)
+    user = torch.cuda.Stream()
+    user.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(user):
+        torch.cuda._sleep(SLEEP)
+        out = _generate(model, ids.clone(), mask.clone())
+    torch.cuda.current_stream().wait_stream(user)
+    assert torch.equal(out, expected)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_quantized_experts_at_real_sizes_fit_the_auto_cache_and_disable_returns_pinned_memory(tmp_path, method):
+    """Memory at real sizes: Mixtral-shaped expert matrices (14336 x 4096) quantized under an "auto" cache run a
+    forward without OOM (the dequantization workspace is in the headroom), and disable() gives the pinned host
+    memory back."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    config = MixtralConfig(vocab_size=VOCAB, hidden_size=4096, intermediate_size=14336, num_hidden_layers=1,
+                           num_attention_heads=32, num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2,
+                           pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    with torch.device("meta"):
+        MixtralForCausalLM(config)               # the shape is valid
+    model = MixtralForCausalLM(config).to(torch.bfloat16).eval()
+    pinned_before = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+    hf_moe_offload.enable(model, {"device": "cuda:0", "store": "cpu", "expert_cache": "auto", "quantize": method,
+                                  "max_batch_size": 1, "max_seq_len": 256})
+    ids = torch.randint(3, VOCAB, (1, 64), device=CUDA)
+    with torch.no_grad():
+        model(input_ids=ids)
+    hf_moe_offload.disable(model)
+    gc.collect()
+    assert torch.cuda.host_memory_stats().get("allocated_bytes.current", 0) <= pinned_before + (64 << 20)
