@@ -18,13 +18,16 @@ Example:
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shlex
 import sys
+import time
 
 from . import __version__
-from .policy.offload_policy import PolicyError
+
+logger = logging.getLogger(__name__)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,65 +38,93 @@ def build_parser() -> argparse.ArgumentParser:
         'lru'
     """
     from .integrations import perplexity
+    from .integrations.cli_support import HelpFormatter, common_parser, underscore_aliases
     from .integrations.policy_args import policy_parser
     from .training import cli as train_hash
 
-    parser = argparse.ArgumentParser(prog="hf-moe-offload", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hf-moe-offload", description=__doc__.splitlines()[0],
+                                     epilog=FLAG_RULE, formatter_class=HelpFormatter)
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", parents=[policy_parser()],
-                          help="generate with offloading on the embedded demo model (no network)",
-                          description="Generate with offloading on the embedded demo model (no network); the "
-                                      "default policy is store=disk, expert_cache=25%%.")
-    demo.add_argument("--model", default=None, help="a local MoE checkpoint instead of the embedded demo model")
-    demo.add_argument("--max-new-tokens", type=train_hash.positive_int, default=40)
-    demo.add_argument("--prompt", action="append", help="a prompt (repeat for a batch)")
-    sub.add_parser("version", help="print the package version")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def command(name: str, help: str, *parents: argparse.ArgumentParser, **kwargs) -> argparse.ArgumentParser:
+        return sub.add_parser(name, help=help, description=kwargs.pop("description", help[:1].upper() + help[1:]),
+                              parents=[*parents, common_parser()], formatter_class=HelpFormatter, epilog=FLAG_RULE,
+                              **kwargs)
+
+    demo = command("demo", "generate with offloading on the embedded demo model (no network)", policy_parser(),
+                   description="Generate with offloading on the embedded demo model (no network), compare the "
+                               "tokens with the model run without offloading, and print the speed and cache stats. "
+                               "The default policy is store=disk, expert_cache=25%.")
+    demo.add_argument("--model", default=None,
+                      help="a local MoE checkpoint folder (with its tokenizer) instead of the embedded demo model")
+    demo.add_argument("--max-new-tokens", type=train_hash.positive_int, default=40, help="new tokens per prompt")
+    demo.add_argument("--prompt", action="append", help="a prompt (repeat for a batch; default: three prompts "
+                                                        "about Python)")
+    command("version", "print the package version")
     sub.add_parser("lm-eval", add_help=False,
                    help="lm-eval's CLI with the hf-moe-offload model and the shipped tasks "
                         "(all lm-eval flags; `hf-moe-offload lm-eval --help`)")
-    perplexity.add_arguments(sub.add_parser(
-        "perplexity", parents=[policy_parser()],
-        help="perplexity of a model on a local .jsonl/.json/.txt dataset, with any offload policy"))
-    train_hash.add_arguments(sub.add_parser(
-        "train-hash", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        help="train a SiDA hash predictor (expert prefetching) on a model's own routing",
+    perplexity.add_arguments(command(
+        "perplexity", "perplexity of a causal model on a local .jsonl/.json/.txt dataset, with any offload policy",
+        policy_parser(), description=perplexity.__doc__.split("\n\n")[0]))
+    train_hash.add_arguments(command(
+        "train-hash", "train a SiDA hash predictor (expert prefetching) on a model's own routing", policy_parser(),
         description=train_hash.__doc__.split("\n\n")[0]))
-    prof = sub.add_parser("profile", help="measure this machine (disk, memcpy, matmul, the expert forward per row count, "
-                                          "host-to-device) and save it for `plan` and offload_policy='auto'; "
-                                          "--show prints the saved profile")
+    _add_profile(command("profile", "measure this machine (disk, memcpy, matmul, the expert forward per row count, "
+                                    "host-to-device; a minute or two) and save it for `plan` and "
+                                    "offload_policy='auto'; --show prints the saved profile"))
+    _add_plan(command("plan", "the schedule, resident experts, micro-batch and attention placement a roofline model "
+                              "predicts fastest for a batch job, with its tok/s"))
+    return underscore_aliases(parser)
+
+
+FLAG_RULE = ("Flags are spelled with hyphens; the underscore spelling works too (--batch_size, --expert_cache).")
+
+
+def _add_profile(prof: argparse.ArgumentParser) -> None:
     prof.add_argument("--show", action="store_true", help="print the saved profile instead of measuring")
     prof.add_argument("--out", default=None, help="where to save (default: $HF_MOE_OFFLOAD_CACHE/profile.json)")
-    plan = sub.add_parser("plan", help="the schedule, resident experts, micro-batch and attention placement a "
-                                       "roofline model predicts fastest for a batch job, with its tok/s")
+    prof.add_argument("--force", action="store_true",
+                      help="save the profile even when the load average says the machine was busy while measuring")
+
+
+def _add_plan(plan: argparse.ArgumentParser) -> None:
+    from .training.cli import positive_int
+
     plan.add_argument("--model", required=True, help="a local checkpoint folder or Hub id (only its config is read)")
-    plan.add_argument("--batch", type=train_hash.positive_int, required=True)
-    plan.add_argument("--prompt-len", type=train_hash.positive_int, required=True)
-    plan.add_argument("--gen-len", type=train_hash.positive_int, required=True)
+    plan.add_argument("--batch", type=positive_int, required=True, help="sequences in the job")
+    plan.add_argument("--prompt-len", type=positive_int, required=True, help="prompt tokens per sequence")
+    plan.add_argument("--gen-len", type=positive_int, required=True, help="new tokens per sequence")
     plan.add_argument("--profile", default=None, help="a profile file, or a shipped one: t4, l4 (default: this "
                                                       "machine's, from `hf-moe-offload profile`)")
     plan.add_argument("--device-memory", default=None, help="device memory budget, e.g. 16GiB (default: the "
                                                             "profile's device memory; host memory on a CPU profile)")
-    plan.add_argument("--store", choices=("cpu", "disk"), default=None, help="default: cpu when host RAM holds "
-                                                                              "the experts")
-    return parser
+    plan.add_argument("--store", choices=("cpu", "disk"), default=None,
+                      help="where the experts are kept (default: cpu when host RAM holds them, else disk)")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of `hf-moe-offload`; returns the exit status (2: bad arguments, with one error line)."""
+    """Entry point of `hf-moe-offload`; returns the exit status (2: bad arguments or a model or file the command
+    cannot use, with one error line; `--debug` shows the traceback instead)."""
+    from ._logging import configure_cli_logging
+    from .integrations.cli_support import report_user_errors
+
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["lm-eval"]:     # every remaining flag is lm-eval's: hand them over untouched
+    if argv[:1] == ["lm-eval"]:     # every remaining flag is lm-eval's (but ours): hand them over untouched
         from .integrations.lm_eval_cli import run_lm_eval
 
         return run_lm_eval(argv[1:])
     args = build_parser().parse_args(argv)
-    # The package's INFO lines (the policy and its plan) are part of the output; transformers' verbosity is the
-    # user's and stays as it is (the package's records reach its handler, see hf_moe_offload._logging).
-    logging.getLogger("hf_moe_offload").setLevel(logging.INFO)
+    configure_cli_logging(args.log_level, args.quiet)
     if args.command == "version":
         print(__version__)
         return 0
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    return report_user_errors(f"hf-moe-offload {args.command}", args.debug, lambda: _run(args, argv))
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> int:
     if args.command == "train-hash":
         from .training.cli import run_command
 
@@ -109,38 +140,46 @@ def main(argv: list[str] | None = None) -> int:
 
 def _profile(args: argparse.Namespace) -> int:
     from .demo import layer_overhead
-    from .planning.measure import measure
-    from .planning.profile import MachineProfile, ProfileError, default_profile_path
+    from .planning.measure import busy_machine, format_duration, measure
+    from .planning.profile import MachineProfile, default_profile_path
 
     path = args.out or default_profile_path()
     if args.show:
-        try:
-            print(MachineProfile.load(path).summary())
-        except ProfileError as err:
-            print(f"hf-moe-offload profile: error: {err}", file=sys.stderr)
-            return 2
+        print(MachineProfile.load(path).summary())
         return 0
+    busy = busy_machine()
+    if busy:
+        logger.warning("%s before measuring: the numbers may come out low", busy)
+    start = time.monotonic()
     profile = measure(layer_overhead=layer_overhead)
+    took = time.monotonic() - start
+    busy = busy or busy_machine(after_measuring=True)
     print(profile.summary())
-    print(f"saved to {profile.save(path)}")
+    if busy and not args.force:
+        print(f"measured in {format_duration(took)}; NOT saved: {busy}, and a profile measured on a busy machine "
+              f"steers offload_policy='auto' to slow plans. Measure again when the machine is idle, or pass --force "
+              f"to save it anyway.", file=sys.stderr)
+        return 1
+    print(f"measured in {format_duration(took)}; saved to {profile.save(path)}"
+          + (f" (with --force, although {busy})" if busy else ""))
     return 0
 
 
 def _plan(args: argparse.Namespace) -> int:
+    from .integrations.cli_support import check_model, model_config
+    from .planning.auto_plan import profile_origin
     from .planning.planner import ModelShape, make_plan
-    from .planning.profile import ProfileError, load_profile
+    from .planning.profile import load_profile
     from .policy.offload_policy import parse_size
 
-    try:
-        profile = load_profile(args.profile)
-        budget = None if args.device_memory is None else parse_size(args.device_memory, total=1 << 62)
-        plan = make_plan(ModelShape.from_pretrained(args.model), profile, args.batch, args.prompt_len, args.gen_len,
-                         device_memory=budget, store=args.store)
-    except (ProfileError, PolicyError) as err:
-        print(f"hf-moe-offload plan: error: {err}", file=sys.stderr)
-        return 2
-    print(f"profile: {profile.name}")
-    print(f"policy: {plan.policy()}")
+    config = model_config(args.model)
+    check_model(config, args.model, command="plan", causal=True)   # its roofline models decoder-only generation
+    profile = load_profile(args.profile)
+    budget = None if args.device_memory is None else parse_size(args.device_memory, total=1 << 62)
+    plan = make_plan(ModelShape.from_pretrained(args.model), profile, args.batch, args.prompt_len, args.gen_len,
+                     device_memory=budget, store=args.store)
+    print(f"profile: {profile.name}{profile_origin(args.profile)}")
+    print(f"policy: {json.dumps(plan.policy())}")
     print(plan.explain())
     return 0
 
@@ -149,11 +188,7 @@ def _demo(args: argparse.Namespace) -> int:
     from .demo import DEMO_POLICY, run_demo
     from .integrations.policy_args import policy_from_args
 
-    try:
-        policy = policy_from_args(args, default=DEMO_POLICY)
-    except PolicyError as err:
-        print(f"hf-moe-offload demo: error: {err}", file=sys.stderr)
-        return 2
+    policy = policy_from_args(args, default=DEMO_POLICY)
     result = run_demo(args.model, policy, args.max_new_tokens, args.prompt)
     return 0 if result["identical"] or result["approximate"] else 1   # quantized tokens may differ: opt-in
 

@@ -17,13 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 import hf_moe_offload
 
 from ._compat import cache_keyword
 from ._timing import best_rate
-from .policy.offload_policy import OffloadPolicy
+from .integrations.cli_support import UsageError, check_model, model_config, one_line
+from .loading.patch import auto_model_class
+from .policy.offload_policy import DEFAULT_STREAM_WINDOW, OffloadPolicy
 
 DEMO_MODEL = Path(__file__).parent / "demo_model"
 DEMO_PROMPTS = ["The import statement", "A list comprehension", "Exceptions are raised"]
@@ -35,7 +37,8 @@ def run_demo(model_path: str | None = None, policy: OffloadPolicy | dict | str |
              max_new_tokens: int = 40, prompts: list[str] | None = None, repeats: int = 2) -> dict:
     """Run the demo; returns what it printed as numbers (for tests and scripts).
 
-    The policy is validated (`PolicyError`) before any model is loaded.
+    The policy (`PolicyError`) and the model (`UsageError`: no such folder, no tokenizer, an encoder-decoder picks
+    its Auto class from the config; `UnsupportedModelError`) are checked before any weight is loaded.
 
     Example:
         >>> run_demo(max_new_tokens=8)["identical"]   # doctest: +SKIP
@@ -44,13 +47,16 @@ def run_demo(model_path: str | None = None, policy: OffloadPolicy | dict | str |
 
     policy = OffloadPolicy.from_any(policy or DEMO_POLICY)
     path = str(model_path or DEMO_MODEL)
+    config = model_config(path)
+    check_model(config, path, command="demo")
+    model_class = auto_model_class(config)
     prompts = prompts or DEMO_PROMPTS
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    tokenizer.padding_side = "left"
+    tokenizer = _tokenizer(path)
     inputs = tokenizer(prompts, return_tensors="pt", padding=True)
-    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    gen = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
 
-    model = AutoModelForCausalLM.from_pretrained(path, offload_policy=policy).eval()
+    model = model_class.from_pretrained(path, offload_policy=policy).eval()
     engine = hf_moe_offload.get_engine(model)
     device = torch.device(engine.policy.device)
     tokens, off_s = _timed_generate(model, inputs.to(device), gen, repeats, on_warm=engine.reset_stats)
@@ -59,11 +65,13 @@ def run_demo(model_path: str | None = None, policy: OffloadPolicy | dict | str |
     del model, engine
 
     # The all-resident reference runs on the offloaded run's device, so only the offloading differs.
-    reference = AutoModelForCausalLM.from_pretrained(path).to(device).eval()
+    reference = model_class.from_pretrained(path).to(device).eval()
     ref_tokens, ref_s = _timed_generate(reference, inputs.to(device), gen, repeats)
     del reference
 
-    new = tokens[:, inputs["input_ids"].shape[1]:]
+    # A decoder-only model returns the prompt and the new tokens; an encoder-decoder only the decoder's tokens.
+    prompt_len = 0 if getattr(config, "is_encoder_decoder", False) else inputs["input_ids"].shape[1]
+    new = tokens[:, prompt_len:]
     texts = tokenizer.batch_decode(new, skip_special_tokens=True)
     identical = torch.equal(tokens.cpu(), ref_tokens.cpu())
     generated = new.numel()
@@ -75,7 +83,7 @@ def run_demo(model_path: str | None = None, policy: OffloadPolicy | dict | str |
     if identical or not approximate:
         print(f"\nsame tokens as without offloading: {'yes' if identical else 'NO'}")
     else:   # an opt-in approximate mode: say how far the tokens went together, not that something broke
-        agree = (new == ref_tokens[:, inputs["input_ids"].shape[1]:].to(new.device)).cumprod(dim=1).sum().item()
+        agree = (new == ref_tokens[:, prompt_len:].to(new.device)).cumprod(dim=1).sum().item()
         print(f"\nsame tokens as without offloading: no, as expected with quantize={resolved['quantize']!r} "
               f"(approximate): {agree} of {generated} new tokens come before each sequence's first difference")
     print(f"tokens/s: offloaded {generated / off_s:.1f}, all resident {generated / ref_s:.1f} "
@@ -83,6 +91,17 @@ def run_demo(model_path: str | None = None, policy: OffloadPolicy | dict | str |
     print(_stats_line(stats, repeats))
     return {"identical": identical, "approximate": approximate, "texts": texts, "tokens_per_s": generated / off_s,
             "reference_tokens_per_s": generated / ref_s, "stats": dict(stats)}
+
+
+def _tokenizer(path: str):
+    """The tokenizer saved beside the model, padding on the left (the prompts of a batch end together)."""
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as err:
+        raise UsageError(f"--model {path}: no usable tokenizer in this checkpoint ({one_line(err)}); the demo "
+                         f"needs the model's tokenizer files beside its weights") from None
+    tokenizer.padding_side = "left"
+    return tokenizer
 
 
 def _timed_generate(model, inputs, gen: dict, repeats: int, on_warm=None) -> tuple[torch.Tensor, float]:
@@ -113,7 +132,10 @@ def layer_overhead(device: str, seconds: float) -> tuple[float, float]:
     `hf-moe-offload profile` hands to `planning.measure.measure`."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = hf_moe_offload.from_pretrained(DEMO_MODEL, {"device": device, "store": "disk", "expert_cache": "100%"})
+        # Every field given: nothing is left to the planner, which would look for the profile being measured.
+        model = hf_moe_offload.from_pretrained(DEMO_MODEL, {"device": device, "store": "disk", "expert_cache": "100%",
+                                                            "schedule": "on_demand",
+                                                            "stream_window": DEFAULT_STREAM_WINDOW})
     try:
         layers = len(hf_moe_offload.get_engine(model).layers)
         ids = torch.tensor([[5, 6, 7, 8]], device=device)

@@ -8,8 +8,11 @@ What changes compared with ``lm-eval``:
   ``device_map`` and moves the model with ``model.to(device)``);
 - ``--include_path`` gets the shipped tasks directory first (yours, ``os.pathsep``-separated, come after and win
   on a name clash);
-- a bad offload policy ends with one line ``hf-moe-offload lm-eval: error: ...`` and exit status 2, before lm-eval
-  indexes its tasks or loads anything.
+- a bad offload policy, a missing ``pretrained=`` folder or a model this package does not offload ends with one line
+  ``hf-moe-offload lm-eval: error: ...`` and exit status 2, before lm-eval indexes its tasks or loads anything;
+- the flags every ``hf-moe-offload`` subcommand takes: ``--log-level LEVEL`` (hf_moe_offload's log lines),
+  ``-q/--quiet`` (errors only, also lm-eval's and transformers' lines) and ``--debug`` (tracebacks);
+- hf_moe_offload's log lines are written once, prefixed ``[hf_moe_offload]``, beside lm-eval's.
 
 Example:
     $ hf-moe-offload lm-eval --model hf-moe-offload \\
@@ -25,10 +28,9 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
-from ..arch import UnsupportedModelError
-from ..policy.offload_policy import PolicyError
-from ..storage.checkpoint import CheckpointError
+from .._logging import configure_cli_logging
 from . import quiet_custom_dataset_hint, tasks_dir
+from .cli_support import LOG_LEVELS, USER_ERRORS, check_model, given_flags, model_config, one_line
 from .policy_args import POLICY_KEY, PREFIX, accepted_keys
 
 logger = logging.getLogger(__name__)
@@ -36,6 +38,7 @@ logger = logging.getLogger(__name__)
 PROG = "hf-moe-offload lm-eval"
 HF_NAMES = ("hf", "hf-auto", "huggingface")
 INSTALL_HINT = 'lm-eval is not installed: pip install "hf-moe-offload[lm-eval]"'
+OUR_FLAGS = {"--log-level": True, "-q": False, "--quiet": False, "--debug": False}   # flag -> takes a value
 
 
 def run_lm_eval(argv: Sequence[str]) -> int:
@@ -48,15 +51,20 @@ def run_lm_eval(argv: Sequence[str]) -> int:
         return 2
     from .lm_eval_model import HFLM_ARGS, MODEL_NAME, split_model_args  # registers the model
 
-    argv = list(argv)
+    ours, argv = given_flags(list(argv), OUR_FLAGS)
+    level, quiet, debug = ours.get("--log-level"), bool(ours.get("-q") or ours.get("--quiet")), "--debug" in ours
+    if "--log-level" in ours and str(level).upper() not in LOG_LEVELS:
+        print(f"{PROG}: error: --log-level {level!r}; allowed: DEBUG, INFO, WARNING, ERROR", file=sys.stderr)
+        return 2
     if argv in ([], ["-h"], ["--help"]):
         print(f"{PROG}: lm-eval's CLI with the model {MODEL_NAME} (the default --model here) and the shipped tasks "
               f"(--tasks hfmo) on the include path.\n{MODEL_NAME} model arguments: pretrained=PATH, the policy's "
               f"{accepted_keys(HFLM_ARGS)}, lm-eval's HFLM arguments; the rest go to from_pretrained.\n"
-              "lm-eval's `run` options follow.\n")
+              "hf-moe-offload's own flags: --log-level LEVEL (its log lines), -q/--quiet (errors only), --debug "
+              "(tracebacks).\nlm-eval's `run` options follow.\n")
         argv = ["run", "--help"]
-    setup_logging()
-    _show_our_logs()
+    setup_logging(logging.ERROR if quiet else logging.INFO)
+    configure_cli_logging(level, quiet)
     quiet_custom_dataset_hint()
     try:
         with _argv(["lm-eval", *argv]):
@@ -65,9 +73,12 @@ def run_lm_eval(argv: Sequence[str]) -> int:
         _adjust(args, MODEL_NAME)
         if getattr(args, "command", None) == "run" and args.model == MODEL_NAME:
             split_model_args(args.model_args or {}, args.device)   # a bad policy fails now, not after indexing
+            _check_pretrained(args.model_args or {})
         parser.execute(args)
-    except (PolicyError, UnsupportedModelError, CheckpointError) as err:
-        print(f"{PROG}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        if debug:
+            raise
+        print(f"{PROG}: error: {one_line(err)}", file=sys.stderr)
         return 2
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
@@ -92,16 +103,12 @@ def _adjust(args, model_name: str) -> None:
         args.include_path = [str(tasks_dir()), *[p for p in paths if p]]
 
 
-def _show_our_logs() -> None:
-    """lm-eval configures only its own logger; show hf_moe_offload's INFO lines (the resolved policy) too."""
-    ours = logging.getLogger("hf_moe_offload")
-    if ours.level == logging.NOTSET:
-        ours.setLevel(logging.INFO)
-    if not any(isinstance(h, logging.StreamHandler) for h in ours.handlers) and not logging.getLogger().handlers:
-        handler = logging.StreamHandler()
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)-8s [%(name)s] %(message)s",
-                                               datefmt="%Y-%m-%d:%H:%M:%S"))
-        ours.addHandler(handler)
+def _check_pretrained(model_args: dict) -> None:
+    """`pretrained=` names a checkpoint this package offloads (before lm-eval indexes its tasks)."""
+    pretrained = model_args.get("pretrained")
+    if not isinstance(pretrained, str):
+        return                          # lm-eval's own error names the missing argument
+    check_model(model_config(pretrained, flag="pretrained="), pretrained, command="lm-eval", flag="pretrained=")
 
 
 @contextlib.contextmanager
