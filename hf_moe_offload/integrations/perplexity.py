@@ -16,10 +16,15 @@ Python:
     123.4
 
 Method: each text is tokenized without special tokens, the BOS token is prepended (`add_bos`), and every token
-after the first is scored once, in windows of at most `max_length` tokens (default: the model's context, at most
-2048). Each window after the first scores `stride` new tokens (default `max_length - 1`, like lm-eval's rolling
-windows) with the `max_length - stride` tokens before them as context; a smaller stride gives more context per token
-and costs more forwards. Windows are batched with right padding (causal models: padding after a token never changes
+after the first is scored once, in windows of at most `max_length` tokens. Each window after the first scores
+`stride` new tokens (default `max_length - 1`, like lm-eval's rolling windows) with the `max_length - stride` tokens
+before them as context; a smaller stride gives more context per token and costs more forwards.
+
+The default window (`default_window`) is what model cards report: the context the model was trained with, where
+the checkpoint records it (`training_info.json`'s `settings.seq_len`, as this package's demo model has, or the
+config's `rope_scaling.original_max_position_embeddings`), else the model's `max_position_embeddings` (at most
+`DEFAULT_MAX_LENGTH`), else the tokenizer's `model_max_length`. The command prints the window and stride it used
+and where the window came from. A window longer than the training context usually gives a higher perplexity. Windows are batched with right padding (causal models: padding after a token never changes
 its logits). `perplexity` is the corpus value exp(total NLL / total scored tokens); `perplexities` are per text.
 """
 
@@ -42,6 +47,9 @@ import torch.nn.functional as F
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
+from .._logging import configure_cli_logging
+from .cli_support import (HelpFormatter, UsageError, check_model, common_parser, model_config, report_user_errors,
+                          underscore_aliases)
 from ..loading.patch import from_pretrained
 from ..policy.offload_policy import OffloadPolicy, PolicyError, policy_value
 from ..runtime.engine import get_engine
@@ -53,7 +61,7 @@ DEFAULT_MAX_LENGTH = 2048
 NO_POLICY = ("none", "null", "off")
 
 
-class DataError(ValueError):
+class DataError(UsageError):
     """The dataset file or field given to the perplexity command is missing or unusable."""
 
 
@@ -91,14 +99,45 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return next(p.device for p in model.parameters() if p.device.type != "meta")
 
 
-def default_max_length(model: torch.nn.Module, tokenizer) -> int:
+def default_window(model: torch.nn.Module, tokenizer) -> tuple[int, str]:
+    """(window length, where it comes from): the model's training context where the checkpoint records it, else its
+    positions (at most `DEFAULT_MAX_LENGTH`), else the tokenizer's limit, else `DEFAULT_MAX_LENGTH`."""
     config = getattr(model, "config", None)
+    trained = _training_context(config)
+    if trained is not None:
+        return trained
     for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
         value = getattr(config, attr, None)
         if isinstance(value, int) and value > 0:
-            return min(value, DEFAULT_MAX_LENGTH)
+            return min(value, DEFAULT_MAX_LENGTH), f"the config's {attr}" + (
+                f" {value}, capped at {DEFAULT_MAX_LENGTH}" if value > DEFAULT_MAX_LENGTH else "")
     limit = getattr(tokenizer, "model_max_length", None)
-    return limit if isinstance(limit, int) and 0 < limit < 10**6 else DEFAULT_MAX_LENGTH
+    if isinstance(limit, int) and 0 < limit < 10**6:
+        return limit, "the tokenizer's model_max_length"
+    return DEFAULT_MAX_LENGTH, "the default"
+
+
+def default_max_length(model: torch.nn.Module, tokenizer) -> int:
+    """The default window length (`default_window` without its source)."""
+    return default_window(model, tokenizer)[0]
+
+
+def _training_context(config) -> tuple[int, str] | None:
+    """The sequence length the model was trained with, where its checkpoint records it."""
+    folder = Path(str(getattr(config, "_name_or_path", "") or ""))
+    info = folder / "training_info.json"
+    if info.is_file():
+        try:
+            seq_len = json.loads(info.read_text()).get("settings", {}).get("seq_len")
+        except (OSError, ValueError, AttributeError):
+            seq_len = None
+        if isinstance(seq_len, int) and seq_len > 1:
+            return seq_len, "the training context in training_info.json"
+    rope = getattr(config, "rope_scaling", None) or getattr(config, "rope_parameters", None)
+    original = rope.get("original_max_position_embeddings") if isinstance(rope, dict) else None
+    if isinstance(original, int) and original > 1:
+        return min(original, DEFAULT_MAX_LENGTH), "the config's original_max_position_embeddings (training context)"
+    return None
 
 
 def windows(token_ids: Sequence[list[int]], max_length: int, stride: int) -> Iterator[_Window]:
@@ -134,7 +173,8 @@ def compute_perplexity(model: torch.nn.Module, tokenizer, texts: Sequence[str], 
     bos = tokenizer.bos_token_id if add_bos else None
     if add_bos and bos is None:
         logger.warning("the tokenizer has no BOS token: the first token of each text is not scored")
-    encoded = tokenizer(list(texts), add_special_tokens=False)["input_ids"]
+    # verbose=False: texts longer than the model's positions are expected here; they are cut into windows.
+    encoded = tokenizer(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
     token_ids = [([bos] if bos is not None else []) + list(ids) for ids in encoded]
     # Longest windows first: fewer padded positions per batch, and an out-of-memory shows up at once.
     todo = sorted(windows(token_ids, max_length, stride), key=lambda w: -len(w.ids))
@@ -231,7 +271,7 @@ def read_texts(data: str, text_field: str = "text", split: str | None = None, li
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The flags of `hf-moe-offload perplexity` and `scripts/perplexity.py`, but the policy's: create the parser
-    with `parents=[policy_parser()]` (`--policy`, `--device`, `--store`, `--expert_cache`, ...).
+    with `parents=[policy_parser()]` (`--policy`, `--device`, `--store`, `--expert-cache`, ...).
 
     Example:
         >>> parser = add_arguments(argparse.ArgumentParser(parents=[policy_parser()]))
@@ -239,28 +279,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         'disk'
     """
     parser.set_defaults(policy="auto")
-    parser.add_argument("--model", required=True, help="path (or Hub id) of a causal MoE checkpoint")
+    parser.add_argument("--model", required=True, help="a local folder (or Hub id) of a causal MoE checkpoint")
     parser.add_argument("--data", required=True, help="a .jsonl/.json/.txt file or a saved dataset directory")
-    parser.add_argument("--text-field", default="text", help="field holding the text (default: text)")
+    parser.add_argument("--text-field", default="text", help="the dataset field that holds the text")
     parser.add_argument("--split", default=None, help="dataset split (default: test if present, else the first)")
-    parser.add_argument("--dtype", default="auto", help="auto, float32, bfloat16, float16 (default: auto)")
-    parser.add_argument("--batch-size", type=int, default=8, help="windows per forward (default: 8)")
-    parser.add_argument("--max-length", type=int, default=None, help="window length in tokens (default: model's)")
-    parser.add_argument("--stride", type=int, default=None,
-                        help="new tokens scored per window after the first (default: max length - 1)")
+    parser.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
+                        help="dtype to load the model in (auto: the checkpoint's)")
+    parser.add_argument("--batch-size", type=_at_least(1), default=8, help="windows per forward")
+    parser.add_argument("--max-length", type=_at_least(2), default=None,
+                        help="window length in tokens (default: the model's training context where the checkpoint "
+                             "records it, as model cards report perplexity; else its max_position_embeddings, at "
+                             f"most {DEFAULT_MAX_LENGTH})")
+    parser.add_argument("--stride", type=_at_least(1), default=None,
+                        help="new tokens scored per window after the first, below the window length (default: the "
+                             "window length - 1)")
     parser.add_argument("--no-bos", action="store_true", help="do not prepend the BOS token")
-    parser.add_argument("--limit", type=int, default=None, help="score only the first N texts")
+    parser.add_argument("--limit", type=_at_least(1), default=None, help="score only the first N texts")
     parser.add_argument("--out", default=None, help="write the result (and offload stats) as JSON here")
     return parser
 
 
+def _at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: an integer >= {low}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: an integer >= {low}")
+        return value
+
+    return parse
+
+
 def run(args: argparse.Namespace, prog: str = "hf-moe-offload perplexity") -> int:
-    """Load, score, print `perplexity = ...`, write `--out`; a bad file, field or policy: one error line, status 2."""
-    try:
-        return _run(args)
-    except (DataError, PolicyError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        return 2
+    """Load, score, print `perplexity = ...`, write `--out`; a bad file, field, model or policy: one error line,
+    status 2 (`args.debug`: the traceback)."""
+    return report_user_errors(prog, getattr(args, "debug", False), lambda: _run(args))
 
 
 def policy_of(args: argparse.Namespace) -> OffloadPolicy | None:
@@ -284,23 +339,37 @@ def _run(args: argparse.Namespace) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     policy = policy_of(args)             # a bad policy is refused before the data or the model is read
+    if args.max_length is not None and args.stride is not None and args.stride >= args.max_length:
+        raise UsageError(f"--stride {args.stride} must be below --max-length {args.max_length}")
+    config = model_config(args.model)
+    if policy is not None:               # the unpatched model (--policy none) may be any causal LM
+        check_model(config, args.model, command="perplexity", causal=True)
+    elif getattr(config, "is_encoder_decoder", False):
+        raise UsageError(f"--model {args.model}: {config.model_type} is an encoder-decoder model; perplexity takes "
+                         f"causal (decoder-only) language models")
     texts = read_texts(args.data, args.text_field, args.split, args.limit)
     if not texts:
         raise DataError(f"{args.data}: no non-empty text in field {args.text_field!r}")
     device = given_fields(args).get("device") if policy is None else None
     model, tokenizer = load_model_and_tokenizer(args.model, policy, dtype=args.dtype, device=device)
+    window, source = (args.max_length, "--max-length") if args.max_length else default_window(model, tokenizer)
+    stride = args.stride or window - 1
+    if stride >= window:
+        raise UsageError(f"--stride {stride} must be below the window length {window} ({source})")
+    logger.info("perplexity: windows of %d tokens (%s), stride %d", window, source, stride)
     start = time.perf_counter()
     result = compute_perplexity(model, tokenizer, texts, batch_size=args.batch_size, add_bos=not args.no_bos,
-                                max_length=args.max_length, stride=args.stride)
+                                max_length=window, stride=stride)
     seconds = time.perf_counter() - start
     engine = get_engine(model)
     report = {
         "model": args.model, "data": args.data, "texts": len(texts),
         "policy": engine.policy.to_dict() if engine is not None else None,
-        **result.to_dict(), "seconds": round(seconds, 3),
+        **result.to_dict(), "window_source": source, "seconds": round(seconds, 3),
         "stats": _stats_dict(engine) if engine is not None else None,
     }
-    print(f"perplexity = {result.perplexity:.4f}  ({result.tokens} tokens, {len(texts)} texts, "
+    print(f"perplexity = {result.perplexity:.4f}  ({result.tokens} tokens, {len(texts)} texts, windows of {window} "
+          f"tokens ({source}), stride {stride}, "
           f"{'policy ' + json.dumps(report['policy']) if engine is not None else 'no offloading'}, {seconds:.1f} s)")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
@@ -317,9 +386,10 @@ def _stats_dict(engine) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `scripts/perplexity.py`."""
     parser = add_arguments(argparse.ArgumentParser(prog="perplexity", description=__doc__.splitlines()[0],
-                                                   parents=[policy_parser()]))
-    args = parser.parse_args(argv)
-    logging.getLogger("hf_moe_offload").setLevel(logging.INFO)
+                                                   parents=[policy_parser(), common_parser()],
+                                                   formatter_class=HelpFormatter))
+    args = underscore_aliases(parser).parse_args(argv)
+    configure_cli_logging(args.log_level, args.quiet)
     return run(args, prog=parser.prog)
 
 

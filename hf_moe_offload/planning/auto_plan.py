@@ -22,14 +22,18 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..policy.offload_policy import AUTO, DEFAULT_STREAM_WINDOW, OffloadPolicy
 from ..runtime.pass_scheduler import is_wide_pass
 from .footprint import Footprint
+from .measure import format_duration
 from .planner import STREAM_WINDOWS, Candidate, ModelShape, predict
-from .profile import MachineProfile, ProfileError, default_profile_path, load_profile
+from .profile import SHIPPED_PROFILES, MachineProfile, ProfileError, default_profile_path, load_profile
 
 logger = logging.getLogger(__name__)
 
@@ -80,26 +84,60 @@ def plan_for_policy(policy: OffloadPolicy, resolved: OffloadPolicy, fp: Footprin
                     profile: MachineProfile | None = None) -> tuple[OffloadPolicy, dict[str, Any] | None]:
     """`resolved` with the planned fields chosen, and the plan's summary for `stats(model)["plan"]` (None when
     no plan was made). `policy` is what the user gave (which fields are "auto"); `resolved` has every field
-    concrete. Logs one INFO line: the schedule picked, the predicted tok/s and the binding resource."""
+    concrete. Logs one INFO line: the schedule picked, the predicted tok/s, the binding resource and the profile
+    (its file and age when it is this machine's cached one)."""
+    free = [f for f in PLANNED_FIELDS if getattr(policy, f) == AUTO]
+    if not free:                        # nothing to choose: no profile is needed (nor a word about a missing one)
+        return resolved, None
+    origin = "" if profile is not None else profile_origin(None)
     profile = _planning_profile(resolved, profile)
     if profile is None:
         return resolved, None
-    free = [f for f in PLANNED_FIELDS if getattr(policy, f) == AUTO]
     shape, job = shape_from_footprint(fp), Job.of(resolved)
     best = _best_candidate(policy, resolved, shape, profile, free, job)
     if best is None:
         return resolved, None
     cand, (pre_tok_s, dec_tok_s, overall, binding) = best
     planned = dataclasses.replace(resolved, **_planned_changes(cand, shape, free, job))
-    summary = {"profile": profile.name, "schedule": f"prefill {cand.prefill_schedule}, decode {cand.decode_schedule}",
+    summary = {"profile": profile.name, "profile_source": profile.source, **_origin_fields(origin),
+               "schedule": f"prefill {cand.prefill_schedule}, decode {cand.decode_schedule}",
                "policy_fields": {"schedule": planned.schedule, "stream_window": planned.stream_window},
                "job": dataclasses.asdict(job), "predicted_prefill_tok_s": pre_tok_s,
                "predicted_decode_tok_s": dec_tok_s, "predicted_tok_s": overall, "binding": binding}
     logger.info("hf_moe_offload auto plan: schedule=%s (prefill %s, decode %s) stream_window=%s for batch %d x %d "
-                "prompt + %d new tokens; predicted prefill %.1f tok/s, decode %.1f tok/s; bound by %s (profile %s)",
+                "prompt + %d new tokens; predicted prefill %.1f tok/s, decode %.1f tok/s; bound by %s (profile %s%s)",
                 planned.schedule, cand.prefill_schedule, cand.decode_schedule, planned.stream_window, job.batch,
-                job.prompt_len, job.gen_len, pre_tok_s, dec_tok_s, binding, profile.name)
+                job.prompt_len, job.gen_len, pre_tok_s, dec_tok_s, binding, profile.name, origin)
     return planned, summary
+
+
+def profile_origin(spec: str | os.PathLike | None) -> str:
+    """Where a profile given as `load_profile(spec)` comes from, as a phrase to append to its name: the cached
+    file and its age for this machine's own (`spec` None), the file for a path, nothing for a shipped name.
+
+    Example:
+        >>> profile_origin("t4")
+        ''
+    """
+    if spec is not None and str(spec) in SHIPPED_PROFILES:
+        return ""
+    path = Path(spec) if spec is not None else default_profile_path()
+    try:
+        age = time.time() - path.stat().st_mtime
+    except OSError:
+        return ""
+    return f", {path}, saved {format_duration(max(age, 0.0))} ago"
+
+
+def _origin_fields(origin: str) -> dict[str, Any]:
+    """The profile file and its age in seconds, for the plan's summary (empty for a profile given in code)."""
+    if not origin:
+        return {}
+    path = default_profile_path()
+    try:
+        return {"profile_path": str(path), "profile_age_s": round(time.time() - path.stat().st_mtime, 1)}
+    except OSError:
+        return {}
 
 
 def _planning_profile(resolved: OffloadPolicy, profile: MachineProfile | None) -> MachineProfile | None:

@@ -87,12 +87,55 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
     finally:
         bar.close()
     host = name or platform.node() or "this machine"
+    load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" if hasattr(os, "getloadavg") else ""
     profile = MachineProfile(name=host, source=f"measured by hf_moe_offload.planning.measure.measure() on "
-                                                    f"{time.strftime('%Y-%m-%d')}",
+                                                    f"{time.strftime('%Y-%m-%d')}{load}",
                              cpu_threads=torch.get_num_threads(), host_memory_bytes=psutil.virtual_memory().total,
                              **values)
     logger.info("hf_moe_offload profile: %s", profile.summary().replace("\n", ";"))
     return profile
+
+
+BUSY_LOAD_SHARE = 0.5   # a 1-minute load average above this share of the CPUs: other work takes the cores
+
+
+def busy_machine(after_measuring: bool = False, load: float | None = None, cpus: int | None = None) -> str | None:
+    """A sentence saying that the machine is busy, or None. Busy: the 1-minute load average is above half the CPU
+    count; `after_measuring` first takes away the measurement's own threads (torch's thread count). None also when
+    the system gives no load average. `load` and `cpus` replace the system's numbers (tests).
+
+    Example:
+        >>> busy_machine(load=7.5, cpus=8)
+        'the machine is busy (load average 7.5 over the last minute on 8 CPUs)'
+        >>> busy_machine(load=1.0, cpus=8) is None
+        True
+    """
+    cpus = cpus or os.cpu_count() or 1
+    if load is None:
+        try:
+            load = os.getloadavg()[0]
+        except (AttributeError, OSError):   # no load average on this system (Windows)
+            return None
+    others = load - (min(torch.get_num_threads(), cpus) if after_measuring else 0)
+    if others <= BUSY_LOAD_SHARE * cpus:
+        return None
+    return f"the machine is busy (load average {load:.1f} over the last minute on {cpus} CPUs)"
+
+
+def format_duration(seconds: float) -> str:
+    """A duration as people read it.
+
+    Example:
+        >>> format_duration(103.4), format_duration(7.26), format_duration(3 * 86400 + 7200)
+        ('1m43s', '7.3 s', '3 days')
+    """
+    if seconds < 60:
+        return f"{seconds:.1f} s"
+    if seconds < 3600:
+        return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
 
 
 def _disk_bandwidth(piece: int, pieces: int, threads: int) -> float:
