@@ -51,6 +51,10 @@ def cuda(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (state["free"], state["total"]))
+    # Nothing allocated or cached by torch on the fake device, and no per-process memory fraction set.
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
+    monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", lambda device=None: 1.0)
     return state
 
 
@@ -185,3 +189,11 @@ def test_a_policy_given_as_json_text_is_parsed_with_clear_errors():
         OffloadPolicy.from_any('{"store": disk}')
     with pytest.raises(PolicyError, match="unknown offload_policy preset"):
         OffloadPolicy.from_any("[1, 2]")
+
+
+def test_a_workload_too_big_for_the_device_blames_the_workload_hints_not_the_cache():
+    policy = OffloadPolicy(device="cpu", store="disk", max_batch_size=60000, max_seq_len=4096)
+    with pytest.raises(PolicyError, match=r"max_batch_size=60000 x max_seq_len=4096 needs .* KV cache and "
+                                          r"activations.*lower max_batch_size or max_seq_len") as err:
+        resolve(policy, FP)
+    assert "expert_cache=0 B is smaller" not in str(err.value)

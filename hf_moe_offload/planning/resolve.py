@@ -68,9 +68,7 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     # expert_compute and resident_layers (placement.py): the resident layers' budget; "cpu" needs no working set.
     cache = check_placement(policy, fp.layer_experts, fp.slab_bytes, fp.top_k, cache, zero_copy)
     if not zero_copy and policy.expert_compute != "cpu" and cache < fp.min_cache_bytes:
-        raise PolicyError(f"expert_cache={format_bytes(cache)} is smaller than one layer's top-k working set: "
-                          f"top_k={fp.top_k} x {format_bytes(fp.slab_bytes)} per expert = "
-                          f"{format_bytes(fp.min_cache_bytes)}; use at least expert_cache={fp.min_cache_bytes}")
+        raise PolicyError(_too_small_cache(policy, device, fp, cache, batch, seq_len, attention != "cpu"))
     window = DEFAULT_STREAM_WINDOW if policy.stream_window == AUTO else policy.stream_window
     micro_batches = resolve_micro_batches(policy, fp, store, cache, zero_copy)
     resolved = dataclasses.replace(policy, device=str(device), store=store, expert_cache=cache,
@@ -155,6 +153,22 @@ def _short(value: Any, limit: int = 40) -> str:
     """A value for a log line: a 400-digit size shown by its length, not its digits."""
     text = repr(value)
     return text if len(text) <= limit else f"{text[:12]}... ({len(text)} characters)"
+
+
+def _too_small_cache(policy: OffloadPolicy, device: torch.device, fp: Footprint, cache: int, batch: int,
+                     seq_len: int, kv_on_device: bool) -> str:
+    """Why the cache cannot hold one layer's top-k: the budget the user gave, or (expert_cache="auto") the
+    workload hints whose KV cache and activations took the device's memory."""
+    working_set = (f"one layer's top-k working set: top_k={fp.top_k} x {format_bytes(fp.slab_bytes)} per expert = "
+                   f"{format_bytes(fp.min_cache_bytes)}")
+    if policy.expert_cache != AUTO:
+        return (f"expert_cache={format_bytes(cache)} is smaller than {working_set}; use at least "
+                f"expert_cache={fp.min_cache_bytes}")
+    headroom = headroom_bytes(device, fp, batch, seq_len, kv_on_device)
+    room = format_bytes(max(_room(device, fp), 0))
+    return (f"max_batch_size={batch} x max_seq_len={seq_len} needs {format_bytes(headroom)} on {device} for the KV "
+            f"cache and activations, which leaves {format_bytes(cache)} of its {room} for the expert cache, less "
+            f"than {working_set}; lower max_batch_size or max_seq_len, or give expert_cache explicitly")
 
 
 def _auto_cache(device: torch.device, fp: Footprint, batch: int, seq_len: int, kv_on_device: bool = True) -> int:
