@@ -21,7 +21,7 @@ import torch
 import hf_moe_offload
 from conftest import build_tiny, forward_logits, model_class, token_inputs
 from hf_moe_offload.layout import SlabLayout
-from hf_moe_offload.storage import folders, spill
+from hf_moe_offload.storage import folders, integrity, spill
 from hf_moe_offload.storage.checkpoint import CheckpointIndex
 from hf_moe_offload.storage.folders import DiskFullError
 from hf_moe_offload.storage.integrity import IntegrityError
@@ -161,9 +161,8 @@ def test_each_expert_is_hashed_once_per_process(tmp_path, monkeypatch):
     written = spill.write_quantized(str(tmp_path / "q"), "fp", [layout], [2],
                                     lambda layer, e: {"up": torch.full((32, 64), float(e + 1))})
     calls = []
-    real = spill.ExpertChecksums.verify.__globals__["expert_digest"]
-    monkeypatch.setitem(spill.ExpertChecksums.verify.__globals__, "expert_digest",
-                        lambda buffers: calls.append(1) or real(buffers))
+    real = integrity.expert_digest
+    monkeypatch.setattr(integrity, "expert_digest", lambda buffers: calls.append(1) or real(buffers))
     store = DiskStore([_Layer(dense, 2)], written.pieces, torch.float32, layouts=[layout],
                       checksums=written.checksums)
     slab = torch.empty(layout.numel, dtype=torch.uint8)

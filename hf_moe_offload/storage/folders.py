@@ -53,6 +53,12 @@ def folder_lock(folder: str, shared: bool = False) -> Iterator[None]:
         except BlockingIOError:
             logger.info("hf_moe_offload: waiting for another process using %s to finish building it", folder)
             fcntl.flock(fd, mode)
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP):
+                raise
+            # Some network filesystems have no flock: the build still goes to new files and an atomic manifest.
+            logger.warning("hf_moe_offload: cannot lock %s (%s); two processes must not build it at once", folder,
+                           err.strerror)
         yield
     finally:
         os.close(fd)          # releases the lock
