@@ -37,15 +37,14 @@ from .base import (
     registered_archs,
     weight_piece,
 )
-from .forward import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, attach_runtime, detach_runtime, matmul_refusal
+from .forward import EXPERTS_IMPLEMENTATION, MatmulSlabLayout, matmul_refusal
+from .implementation import restore_experts_implementation, select_experts_implementation
 from .routing import kind_of, replacement_output, router_kind
 
 logger = logging.getLogger(__name__)
 
 # slab part -> the experts module's parameter (a gated module has gate_up, a gateless one up; both have down)
 _PARAMS = {"gate_up": "gate_up_proj", "up": "up_proj", "down": "down_proj"}
-
-_PREVIOUS_IMPL = "_hf_moe_offload_previous_experts_implementation"
 
 # Per-expert checkpoint names (gate, up, down) seen in transformers' conversion mapping; tried for any family whose
 # own mapping names none (a checkpoint may have been written by another tool).
@@ -407,24 +406,6 @@ class FusedExpertsArch(MoEArch):
 
     def detach(self, model: nn.Module, layer: MoELayer) -> None:
         restore_experts_implementation(model, layer)
-
-
-def select_experts_implementation(model: nn.Module, layer: MoELayer, runtime, implementation: str) -> None:
-    """Attach through transformers' `ExpertsInterface`: the layer's experts module gets its runtime, and the model
-    switches to the offloaded `implementation` (the user's choice is kept to restore on detach)."""
-    attach_runtime(layer.module, runtime)
-    if not hasattr(model, _PREVIOUS_IMPL):
-        setattr(model, _PREVIOUS_IMPL, model.config._experts_implementation)
-        model.set_experts_implementation(implementation)
-
-
-def restore_experts_implementation(model: nn.Module, layer: MoELayer) -> None:
-    """Undo `select_experts_implementation` for `layer` (the model's implementation once, for the first layer)."""
-    detach_runtime(layer.module)
-    previous = getattr(model, _PREVIOUS_IMPL, None)
-    if previous is not None:
-        delattr(model, _PREVIOUS_IMPL)
-        model.set_experts_implementation(previous)
 
 
 register_arch(FusedExpertsArch())

@@ -28,7 +28,7 @@ from ..storage.checkpoint import MXFP4_BLOCK, CheckpointError, CheckpointIndex, 
 from .forward import MatmulSlabLayout, matmul_refusal, run_routed_experts, runtime_of
 from ..layout import ExpertPiece, MoELayer, SlabLayout
 from .base import MoEArch, StackedParams, checkpoint_key_candidates, register_arch, weight_piece
-from .fused import restore_experts_implementation, select_experts_implementation
+from .implementation import restore_experts_implementation, select_experts_implementation
 
 GPT_OSS_IMPLEMENTATION = "hf_moe_offload_gpt_oss"
 # slab part -> the experts module's parameter (also its name in a Hub checkpoint)

@@ -76,7 +76,9 @@ class SwitchArch(SwappedExpertsChild, MoEArch):
                 restore_parameter(getattr(module[f"expert_{e}"], part), "weight", stacked[part][e])
 
     def expert_state(self, layer: MoELayer, stacked: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return {f"expert_{e}.{part}.weight": stacked[part][e]
+        # Each expert's tensor gets its own storage: views into one stacked tensor would look tied to every tool
+        # that finds tied weights by storage (transformers' id_tensor_storage, safetensors, accelerate).
+        return {f"expert_{e}.{part}.weight": stacked[part][e].clone()
                 for e in range(layer.num_experts) for part in ("wi", "wo")}
 
     def release_expert_params(self, module: nn.Module) -> None:

@@ -9,6 +9,7 @@ cache budget) runs before anything is allocated.
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -173,6 +174,9 @@ def _locate_experts(arch: MoEArch, index: CheckpointIndex, layers: list[MoELayer
 
 def _meta_skeleton(model_cls: type, config, kwargs: dict) -> nn.Module:
     """The model's module tree on the meta device (no memory), to read names and shapes."""
+    # Built from a copy: a model's __init__ writes into its config (the experts implementation it resolved), and
+    # the caller's config object is theirs (transformers' own from_pretrained copies it too).
+    config = copy.deepcopy(config)
     with torch.device("meta"):
         if hasattr(model_cls, "_model_mapping"):       # an Auto class
             return model_cls.from_config(config, trust_remote_code=kwargs.get("trust_remote_code", False))
