@@ -116,31 +116,48 @@ def tiny_model(model_type: str):
 FUSED = sorted(t for t, f in discover_families().items() if f.supported)
 
 
+@pytest.fixture(scope="module")
+def saved_families(tmp_path_factory):
+    """model_type -> (checkpoint, the unpatched model's tokens and logits), built on first use and shared by the
+    micro-batch variants: building, saving and running a family's reference costs as much as the offloaded run."""
+    cache: dict[str, tuple] = {}
+
+    def get(model_type: str) -> tuple:
+        if model_type not in cache:
+            path = tmp_path_factory.mktemp(model_type)
+            torch.manual_seed(0)
+            model = tiny_model(model_type).eval()
+            with torch.no_grad():      # decisive routing: random near-ties would make greedy tokens fragile
+                for name, p in model.named_parameters():
+                    if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] <= 8:
+                        p.mul_(8.0)
+            model.save_pretrained(path)           # Hub layout (per-expert keys where the family has them)
+            del model
+            ids, mask = token_inputs(2, 6)
+            reference = AutoModelForCausalLM.from_pretrained(path).eval()
+            with torch.no_grad():
+                want = reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                          pad_token_id=0)
+                want_logits = reference(ids, attention_mask=mask).logits
+            cache[model_type] = (path, want, want_logits)
+        return cache[model_type]
+
+    return get
+
+
 @pytest.mark.parametrize("model_type", FUSED)
 @pytest.mark.parametrize("micro_batches", [1, 2])
-def test_family_offloaded_to_disk_gives_the_same_tokens(model_type, micro_batches, tmp_path):
+def test_family_offloaded_to_disk_gives_the_same_tokens(model_type, micro_batches, saved_families):
     """Also with micro-batches (2 slices of the batch per MoE decoder layer, a cache holding a layer's experts):
     every family's decoder layers run on slices of their inputs and their caches, or whole where they cannot."""
     if model_type in SKIP:
         pytest.skip(SKIP[model_type])
-    torch.manual_seed(0)
-    model = tiny_model(model_type).eval()
-    with torch.no_grad():      # decisive routing: random near-ties would make greedy tokens fragile
-        for name, p in model.named_parameters():
-            if name.endswith(("gate.weight", "router.weight")) and p.dim() == 2 and p.shape[0] <= 8:
-                p.mul_(8.0)
-    model.save_pretrained(tmp_path)           # Hub layout (per-expert keys where the family has them)
-    del model
+    path, want, want_logits = saved_families(model_type)
     ids, mask = token_inputs(2, 6)
-    reference = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
-    with torch.no_grad():
-        want = reference.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
-        want_logits = reference(ids, attention_mask=mask).logits
-    del reference
     policy = {"device": "cpu", "store": "disk", "expert_cache": "34%"}     # 4 of 12
     if micro_batches > 1:
         policy.update(expert_cache="67%", micro_batches=micro_batches)      # 8 of 12: a layer's 6 and 2 more
-    model = AutoModelForCausalLM.from_pretrained(tmp_path, offload_policy=policy).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, offload_policy=policy).eval()
     engine = hf_moe_offload.get_engine(model)
     assert engine is not None and len(engine.layers) == 2
     with torch.no_grad():
@@ -214,5 +231,5 @@ def test_transposed_and_gateless_families_are_supported():
 
 @pytest.mark.parametrize("model_type", ["jetmoe", "llama"])   # DBRX, Llama-4, GPT-OSS: own adapters (test_adapters)
 def test_experts_outside_the_interface_are_refused(model_type):
-    with pytest.raises(UnsupportedModelError, match="fused experts interface.*supported model types"):
+    with pytest.raises(UnsupportedModelError, match="fused experts interface.*supported model type.*docs/models.md"):
         get_arch(AutoConfig.for_model(model_type))

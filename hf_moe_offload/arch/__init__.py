@@ -2,8 +2,8 @@
 in the checkpoint, and how the offloaded forward is attached and detached.
 
 One adapter serves every family with transformers' fused experts (`ExpertsInterface`); Switch Transformers,
-GPT-OSS, DBRX and Llama-4 have their own. `get_arch(config)` picks one or lists the supported model types. This
-package only re-exports: the base class and registry are in `base`, the shared forward in `forward`, and
+GPT-OSS, DBRX and Llama-4 have their own. `get_arch(config)` picks one or names the closest supported model types.
+This package only re-exports: the base class and registry are in `base`, the shared forward in `forward`, and
 importing the adapter modules below registers them.
 """
 

@@ -7,6 +7,7 @@ every adapter module, so importing the package registers them all.
 
 from __future__ import annotations
 
+import difflib
 from abc import ABC, abstractmethod
 from typing import Iterator, Protocol, Sequence
 
@@ -26,7 +27,8 @@ class ExpertFetcher(Protocol):
 
 
 class UnsupportedModelError(ValueError):
-    """The model has no MoE layers, or its architecture is not supported; the message lists the supported ones."""
+    """The model has no MoE layers, or its architecture is not supported; the message says why, names the closest
+    supported model types and where all are listed."""
 
 
 class MoEArch(ABC):
@@ -135,8 +137,7 @@ class MoEArch(ABC):
                                    num_experts=_num_experts(module), top_k=self.top_k(model.config),
                                    layout=self.layout(module)))
         if not layers:
-            raise UnsupportedModelError(f"{type(model).__name__} has no MoE layers that hf_moe_offload can offload; "
-                                        f"supported model types: {supported_model_types()}")
+            raise UnsupportedModelError(no_moe_layers_message(model))
         return layers
 
     def locate_expert(self, index: CheckpointIndex, name: str, expert: int, layout: SlabLayout
@@ -257,8 +258,8 @@ def supported_model_types() -> list[str]:
 
 
 def get_arch(config) -> MoEArch:
-    """The adapter for `config.model_type`, or a clear error saying why it is refused and listing the supported
-    model types.
+    """The adapter for `config.model_type`, or a clear error saying why it is refused and naming the closest
+    supported model types.
 
     Example:
         >>> get_arch(MixtralConfig()).top_k(MixtralConfig())   # doctest: +SKIP
@@ -271,7 +272,39 @@ def get_arch(config) -> MoEArch:
     for arch in _REGISTRY:
         if (why := arch.refusal(model_type)) is not None:
             raise UnsupportedModelError(f"model type {model_type!r} is not supported by hf_moe_offload: {why}; "
-                                        f"supported model types: {supported_model_types()}")
+                                        f"{closest_supported(model_type)}")
     raise UnsupportedModelError(f"model type {model_type!r} is not supported by hf_moe_offload (it offloads the "
                                 f"families whose experts use transformers' fused experts interface, and Switch "
-                                f"Transformers); supported model types: {supported_model_types()}")
+                                f"Transformers); {closest_supported(model_type)}")
+
+
+def closest_supported(model_type: str | None) -> str:
+    """The supported model types closest to `model_type`, and where all of them are listed: for a refusal.
+
+    Example:
+        >>> closest_supported("mistral")                                   # doctest: +SKIP
+        "closest supported model types: ['mixtral']; all ... docs/models.md ..."
+    """
+    close = difflib.get_close_matches(str(model_type), supported_model_types(), n=5, cutoff=0.6)
+    found = f"closest supported model types: {close}" if close else \
+        f"no supported model type is close to {model_type!r}"
+    return f"{found}; all are listed in docs/models.md and by hf_moe_offload.supported_model_types()"
+
+
+def no_moe_layers_message(model: nn.Module) -> str:
+    """Why `model` has no MoE layers to offload, and what to do: a supported family loaded as remote code is told
+    to use transformers' own class, whose experts modules hf_moe_offload knows."""
+    name = type(model).__name__
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    module = type(model).__module__
+    if model_type in supported_model_types():
+        if not module.startswith("transformers."):
+            return (f"{name} has no MoE layers that hf_moe_offload can offload: it is remote code ({module}.{name}, "
+                    f"loaded with trust_remote_code=True), not transformers' own class for model type "
+                    f"{model_type!r}, which is the one hf_moe_offload offloads. Load the model without "
+                    f"trust_remote_code=True (or with trust_remote_code=False) to get transformers' class")
+        return (f"{name} has no MoE layers that hf_moe_offload can offload: model type {model_type!r} is supported, "
+                f"but none of this model's modules is one of that family's experts modules (a config with no "
+                f"experts, or experts replaced after loading)")
+    return (f"{name} (model type {model_type!r}) has no MoE layers that hf_moe_offload can offload; "
+            f"{closest_supported(model_type)}")
