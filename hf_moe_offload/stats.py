@@ -12,9 +12,9 @@
 - `repeat_reads`: experts read more than once within one forward pass;
 - `lookahead_guesses` / `lookahead_used`: router look-ahead guesses of a later layer's experts that were not resident
   (what a read-ahead would read) and those its router then chose, counted in on-demand passes whether or not they
-  were read; `lookahead_on`, `lookahead_precision` (recent used / guessed) and `lookahead_break_even`: the state of
-  `prefetch="auto"`'s rule (`runtime.lookahead_gate`), which reads ahead only while the precision is above the
-  break-even;
+  were read; `lookahead_on`: whether on-demand passes read the guesses ahead now (with `prefetch="auto"`: while
+  `lookahead_precision` (recent used / guessed) is above `lookahead_break_even` and the payoff trial's verdict is not
+  "off"; `runtime.lookahead_gate`);
   `lookahead_exposure`: the measured share of a demand read that compute waited for (what a right guess can hide);
   `lookahead_trial`: whether reading ahead, once the precision allows it, measurably lowered the stall per pass
   (alternating blocks of passes with reads off and on: verdict "trial", "on" or "off", and both mean stalls);
@@ -28,6 +28,8 @@
 - `devices` (a device_map spanning several devices, `devices.py`): per cache device, its MoE layers, the counters
   summed over them, and its cache's own `resident_bytes`, `peak_cache_bytes` and `cache_capacity_bytes` (the
   top-level figures are the sums; the top-level peak is the peak of the sum).
+
+`print(snapshot)` shows these grouped, a few per line; the snapshot is still the plain mapping underneath.
 
 Example:
     >>> s = OffloadStats(num_layers=2, capacity_bytes=1024)
@@ -50,7 +52,8 @@ PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "exper
 
 
 class StatsSnapshot(dict):
-    """A plain mapping of the counters at one moment, with `reset()` to zero the live counters."""
+    """A plain mapping of the counters at one moment, with `reset()` to zero the live counters; `str()` (and so
+    `print`) gives a grouped summary, `repr()` and `json.dumps` the mapping itself."""
 
     def __init__(self, data: dict, reset: Callable[[], None]):
         super().__init__(data)
@@ -58,6 +61,155 @@ class StatsSnapshot(dict):
 
     def reset(self) -> None:
         self._reset()
+
+    def __str__(self) -> str:
+        return format_snapshot(self)
+
+
+def format_snapshot(data: dict) -> str:
+    """A snapshot as lines grouped by what they are about: the cache, timings, prefetch and look-ahead, each MoE
+    layer, the devices, the auto plan, then any key not shown above (a hook's counters) as it is.
+
+    Example:
+        >>> print(format_snapshot({"hits": 3, "misses": 1, "hit_rate": 0.75}).splitlines()[2])
+          hits 3, misses 1, hit rate 75.0%
+    """
+    lines = ["hf_moe_offload stats"]
+    for title, group in (("cache", _cache_lines), ("timings", _timing_lines),
+                         ("prefetch and look-ahead", _prefetch_lines), ("per layer", _layer_lines),
+                         ("devices", _device_lines), ("plan", _plan_lines), ("other", _other_lines)):
+        body = group(data)
+        if body:
+            lines += [title] + ["  " + line for line in body]
+    return "\n".join(lines)
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"     # not reached
+
+
+def _seconds(s: float | None) -> str:
+    if s is None:
+        return "-"
+    return f"{s * 1e3:.1f} ms" if abs(s) < 1 else f"{s:.2f} s"
+
+
+def _share(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _cache_lines(d: dict) -> list[str]:
+    if "hits" not in d:
+        return []
+    lines = [f"hits {d.get('hits', 0)}, misses {d.get('misses', 0)}, hit rate {d.get('hit_rate', 0.0):.1%}"]
+    if d.get("cpu_computed"):
+        lines.append(f"computed on the CPU {d['cpu_computed']} ({_bytes(d.get('cpu_bytes_read', 0))} read for them)")
+    if "evictions" in d:
+        lines.append(f"evictions {d['evictions']}, repeat reads in a pass {d.get('repeat_reads', 0)}")
+    if "bytes_to_device" in d:
+        lines.append(f"to device {_bytes(d['bytes_to_device'])}; cache holds {_bytes(d.get('resident_bytes'))}, "
+                     f"peak {_bytes(d.get('peak_cache_bytes'))} of {_bytes(d.get('cache_capacity_bytes'))}")
+    return lines
+
+
+def _timing_lines(d: dict) -> list[str]:
+    lines = []
+    if "stall_s" in d:
+        lines.append(f"stall waiting for experts {_seconds(d['stall_s'])}"
+                     + (f"; CPU expert compute {_seconds(d['cpu_compute_s'])}" if d.get("cpu_compute_s") else ""))
+    if d.get("passes"):
+        passes = ", ".join(f"{name} {n}" for name, n in d["passes"].items())
+        lines.append(f"passes: {passes} (last {d.get('last_schedule')}); forward calls {d.get('forward_calls', 0)}")
+    for schedule, m in (d.get("measured") or {}).items():
+        lines.append(f"measured {schedule}: {m['passes_timed']} passes, {_seconds(m['seconds_per_pass'])} per "
+                     f"pass, {m['tokens_per_s']:.1f} tok/s")
+    micro = d.get("micro_batches") or {}
+    if any(micro.values()):
+        lines.append(f"micro-batched layer calls: {micro.get('split', 0)} split, {micro.get('whole', 0)} whole")
+    return lines
+
+
+def _prefetch_lines(d: dict) -> list[str]:
+    lines = []
+    if "prefetch_issued" in d:
+        lines.append(f"prefetched {d['prefetch_issued']} (read-ahead {d.get('readahead_issued', 0)}): "
+                     f"{d.get('prefetch_hits', 0)} used, {d.get('prefetch_wasted', 0)} evicted unused")
+    if "lookahead_on" in d:
+        lines.append(f"look-ahead reading {'on' if d['lookahead_on'] else 'off'}: {d.get('lookahead_used', 0)} "
+                     f"of {d.get('lookahead_guesses', 0)} guesses right, precision "
+                     f"{_share(d.get('lookahead_precision'))} (break-even {_share(d.get('lookahead_break_even'))}), "
+                     f"exposure {_share(d.get('lookahead_exposure'))}")
+    trial = d.get("lookahead_trial")
+    if trial:
+        lines.append(f"look-ahead trial: {trial.get('verdict')} (stall per pass reading off "
+                     f"{_seconds(trial.get('stall_per_pass_off'))}, on {_seconds(trial.get('stall_per_pass_on'))})")
+    return lines
+
+
+def _layer_lines(d: dict) -> list[str]:
+    lines = []
+    for i, layer in enumerate(d.get("per_layer") or []):
+        hits, misses = layer.get("hits", 0), layer.get("misses", 0)
+        lookups = hits + misses + layer.get("cpu_computed", 0)
+        calls = layer.get("expert_calls") or []
+        hot = sorted((e for e in range(len(calls)) if calls[e]), key=lambda e: -calls[e])[:3]
+        line = f"{i}: hits {hits}, misses {misses}"
+        if lookups:
+            line += f" ({hits / lookups:.0%} hit)"
+        line += f", stall {_seconds(layer.get('stall_s', 0))}, to device {_bytes(layer.get('bytes_to_device', 0))}"
+        lines.append(line + (f", most called experts {hot}" if hot else ""))
+    return lines
+
+
+def _device_lines(d: dict) -> list[str]:
+    return [f"{device} (layers {dev.get('layers')}): hits {dev.get('hits', 0)}, misses {dev.get('misses', 0)}, "
+            f"to device {_bytes(dev.get('bytes_to_device', 0))}, cache holds {_bytes(dev.get('resident_bytes'))}, "
+            f"peak {_bytes(dev.get('peak_cache_bytes'))} of {_bytes(dev.get('cache_capacity_bytes'))}"
+            for device, dev in (d.get("devices") or {}).items()]
+
+
+def _plan_lines(d: dict) -> list[str]:
+    plan = d.get("plan")
+    if not plan:
+        return []
+    lines = []
+    if "predicted_tok_s" in plan:
+        lines.append(f"predicted {plan['predicted_tok_s']:.1f} tok/s (prefill "
+                     f"{plan.get('predicted_prefill_tok_s', 0):.1f}, decode "
+                     f"{plan.get('predicted_decode_tok_s', 0):.1f}), bound by {plan.get('binding')}; schedule "
+                     f"{plan.get('schedule')}")
+    if "profile" in plan:
+        lines.append(f"profile {plan['profile']} ({plan.get('profile_source')})")
+    shown = {"predicted_tok_s", "predicted_prefill_tok_s", "predicted_decode_tok_s", "binding", "schedule",
+             "profile", "profile_source"}
+    return lines + [f"{key}: {_value(value)}" for key, value in plan.items() if key not in shown]
+
+
+# Keys the groups above show; any other (a hook's counters, expert_compute="auto"'s inputs) goes under "other".
+_SHOWN = {"hits", "misses", "hit_rate", "experts_used", "cpu_computed", "cpu_bytes_read", "evictions",
+          "repeat_reads", "bytes_to_device", "resident_bytes", "peak_cache_bytes", "cache_capacity_bytes", "stall_s",
+          "cpu_compute_s", "passes", "last_schedule", "forward_calls", "measured", "micro_batches",
+          "prefetch_issued", "readahead_issued", "prefetch_hits", "prefetch_wasted", "lookahead_on",
+          "lookahead_used", "lookahead_guesses", "lookahead_precision", "lookahead_break_even",
+          "lookahead_exposure", "lookahead_trial", "per_layer", "devices", "plan"}
+
+
+def _value(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {_value(v)}" for k, v in value.items()) + "}"
+    return str(value)
+
+
+def _other_lines(d: dict) -> list[str]:
+    return [f"{key}: {_value(value)}" for key, value in d.items() if key not in _SHOWN]
 
 
 class OffloadStats:
