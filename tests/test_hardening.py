@@ -4,6 +4,7 @@ device changes, backward, experts_implementation), and the ecosystem's logging a
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import shutil
@@ -14,6 +15,7 @@ import torch
 import transformers
 
 import hf_moe_offload
+import hf_moe_offload.storage.store as store_module
 from conftest import VOCAB, model_class, offloaded, reference
 
 DISK = {"device": "cpu", "store": "disk", "expert_cache": "34%"}
@@ -130,18 +132,19 @@ def _copy_model(src: str, dst) -> str:
     return str(dst)
 
 
-def test_a_failed_expert_read_does_not_poison_the_cache(tiny_models, tmp_path):
-    path = _copy_model(tiny_models["mixtral"], tmp_path / "m")
+def test_a_failed_expert_read_does_not_poison_the_cache(tiny_models, monkeypatch):
+    path = tiny_models["mixtral"]
     model = offloaded("mixtral", path, **DISK)
-    shards = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    hidden = {f: tmp_path / f for f in shards}
-    for f, away in hidden.items():
-        shutil.move(os.path.join(path, f), away)
     ids = _ids()
-    with pytest.raises(Exception):
-        _generate(model, ids)
-    for f, away in hidden.items():
-        shutil.move(away, os.path.join(path, f))
+
+    def unreadable(*args, **kwargs):
+        raise OSError(errno.EIO, "Input/output error (injected)")
+
+    with monkeypatch.context() as failing:      # every expert read fails, as on a failing disk
+        failing.setattr(store_module, "pread_exact", unreadable)
+        failing.setattr(store_module, "read_into", unreadable)
+        with pytest.raises(OSError, match="injected"):
+            _generate(model, ids)
     expected = _generate(reference("mixtral", path), ids)
     assert torch.equal(_generate(model, ids), expected)
     assert torch.equal(_generate(model, ids), expected)
@@ -158,7 +161,9 @@ def test_a_failed_disable_leaves_the_model_offloaded_and_working(tiny_models, tm
     with pytest.raises(Exception):
         hf_moe_offload.disable(model)
     assert hf_moe_offload.get_engine(model) is not None
-    shutil.copy(os.path.join(tiny_models["mixtral"], last), os.path.join(path, last))
+    # The same bytes, size and modification time again: the file is the one that was indexed (a changed one would
+    # be refused, naming it).
+    shutil.copy2(os.path.join(tiny_models["mixtral"], last), os.path.join(path, last))
     assert torch.equal(_generate(model, ids), expected)
     hf_moe_offload.disable(model)
     assert torch.equal(_generate(model, ids), expected)

@@ -11,9 +11,7 @@ Two numbers (`PassCosts`):
   `scaled_dot_product_attention` at the model's head shape, dtype and device.
 
 A pass then costs each of its T tokens about R/T + α·(KV + T), which is lowest at T = √(R/α)
-(`PassCosts.amortizing_tokens`). Measured on the benchmark's 1.5 GB Mixtral shape (2 cores, disk store, 25% cache):
-R ≈ 0.6 s, α ≈ 4-6·10⁻⁷ s, so about 1000 tokens per pass, where transformers' default of 8192 ran 1.3x slower
-(docs/continuous_batching.md).
+(`PassCosts.amortizing_tokens`); docs/continuous_batching.md gives the values measured on the benchmark's model.
 
 Example:
     >>> costs = PassCosts(fixed_s=0.6, attention_s_per_entry=6e-7, moved_bytes=10**9, bytes_per_s=1.7e9,
@@ -153,7 +151,8 @@ def _sample_experts(store: Any) -> list[tuple[int, int]]:
 
 def _store_read_rate(store: Any) -> tuple[float, int]:
     """Bytes per second of the store's own reads (its chunked, threaded pread) of a few experts, into host memory.
-    One expert at a time: 2 or 4 at once read no faster here (1.5-1.8 GB/s each way, three alternations)."""
+    One expert at a time: the store's own chunked reads already keep the disk busy (2 or 4 experts at once read no
+    faster)."""
     keys = _sample_experts(store)
     buffer = torch.empty(max(store.layouts[layer].numel for layer, _ in keys), dtype=store.dtype)
     start = time.perf_counter()

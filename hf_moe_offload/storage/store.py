@@ -278,8 +278,8 @@ class DiskStore(ExpertStore):
         """Fill the flat CPU tensor `dst` (numel >= slab) with the expert's slab.
 
         Bytes that need no dtype conversion are read in chunks by several threads at once: one expert's read then
-        reaches the disk's parallel bandwidth (measured here: 1.3 GB/s from one thread, 2.1 GB/s from four), which
-        lets a streaming window of one or two slots keep the disk busy."""
+        reaches the disk's parallel bandwidth (several reads in flight are faster than one), which lets a streaming
+        window of one or two slots keep the disk busy."""
         layout = self.layouts[layer]
         parts = layout.regions(dst) if self.quantized else layout.views(dst[:layout.numel])
         chunks, interleaved, read = [], [], []
@@ -359,7 +359,7 @@ def _open_shard(path: str) -> int:
     """`os.open(path)` for reading; running out of file descriptors is named as such, with the limit.
 
     Kernel read-ahead is turned off for the file: reads are whole experts in large pieces already, and read-ahead
-    past a piece's end pulled in bytes nobody asked for (18% more than asked, measured with parallel chunk reads)."""
+    past a piece's end pulls in bytes nobody asked for."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as err:
