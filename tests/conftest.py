@@ -16,6 +16,11 @@ from transformers import (AutoModelForCausalLM, AutoModelForSeq2SeqLM, MixtralCo
 
 import hf_moe_offload  # noqa: F401  (installs the offload_policy keyword)
 
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # Several workers share the machine's cores: one intra-op thread each, so they do not oversubscribe them
+    # (torch's OpenMP threads spin-wait for a core another worker holds).
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(autouse=True, scope="session")
 def _private_cache_dir(tmp_path_factory):

@@ -1,5 +1,5 @@
 """scripts/bench.py at its --tiny size on the CPU: the JSON rows, per-row peak RSS, a missing matplotlib, a missing
-GPU, the CUDA report path fed with CPU rows (the GPU run itself cannot happen here), issue 8's bound and
+GPU, the CUDA report path fed with CPU rows (the GPU run itself cannot happen here), the bound and
 resident-set floor, the store-like read bandwidth, the generate_batch rows, and --from-json on the committed runs."""
 
 from __future__ import annotations

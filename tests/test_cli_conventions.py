@@ -76,7 +76,7 @@ def test_a_dense_model_is_refused_in_one_line(command, dense_dir, capsys, tmp_pa
     monkeypatch.chdir(tmp_path)
     assert main(_commands(dense_dir)[command]) == 2
     err = _one_error_line(capsys, command)
-    assert "model type 'llama' is not supported" in err and "'mixtral'" in err
+    assert "model type 'llama' is not supported" in err and "docs/models.md" in err
 
 
 @pytest.mark.parametrize("command", ["plan", "perplexity"])
@@ -163,24 +163,34 @@ def test_given_flags_takes_ours_out_of_a_foreign_command_line():
 
 # -- logs ------------------------------------------------------------------------------------------------------
 
-def _perplexity_stderr(*flags: str, env: dict[str, str] | None = None) -> str:
-    code = "import sys; from hf_moe_offload.cli import main; sys.exit(main(sys.argv[1:]))"
-    argv = ["perplexity", "--model", str(DEMO_MODEL), "--data", HELDOUT, "--limit", "1", "--max-length", "32",
-            "--store", "disk", "--expert-cache", "50%", *flags]
-    run = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=300,
+MARK = "--- next run ---"
+
+
+def _perplexity_stderr(*runs: list[str], env: dict[str, str] | None = None) -> list[str]:
+    """stderr of `perplexity` on the demo model, once per flag list in `runs`, all in one fresh process (the
+    logging set-up is per process; one process keeps the imports' cost to one)."""
+    code = ("import sys; from hf_moe_offload.cli import main\n"
+            "for i, flags in enumerate(sys.argv[1:]):\n"
+            f"    print({MARK!r}, file=sys.stderr, flush=True) if i else None\n"
+            "    assert main([*BASE, *flags.split()]) == 0\n")
+    base = ["perplexity", "--model", str(DEMO_MODEL), "--data", HELDOUT, "--limit", "1", "--max-length", "32",
+            "--store", "disk", "--expert-cache", "50%"]
+    run = subprocess.run([sys.executable, "-c", f"BASE = {base!r}\n{code}", *[" ".join(r) for r in runs]],
+                         capture_output=True, text=True, timeout=600,
                          env={**os.environ, "HF_HUB_DISABLE_PROGRESS_BARS": "1", **(env or {})})
     assert run.returncode == 0, run.stderr
-    assert "perplexity = " in run.stdout
-    return run.stderr
+    assert run.stdout.count("perplexity = ") == len(runs)
+    return run.stderr.split(MARK)
 
 
 def test_log_lines_are_the_packages_own_once_and_follow_the_switches():
-    err = _perplexity_stderr()
-    ours = [line for line in err.splitlines() if "MoE layers offloaded" in line]
-    assert len(ours) == 1 and ours[0].startswith("hf_moe_offload") and "[transformers]" not in err
-    assert "windows of 32 tokens" in err
-    for flags, env in ((["-q"], None), (["--log-level", "WARNING"], None), ([], {"TRANSFORMERS_VERBOSITY": "error"})):
-        assert "hf_moe_offload" not in _perplexity_stderr(*flags, env=env), (flags, env)
+    loud, quiet, warning = _perplexity_stderr([], ["-q"], ["--log-level", "WARNING"])
+    ours = [line for line in loud.splitlines() if "MoE layers offloaded" in line]
+    assert len(ours) == 1 and ours[0].startswith("hf_moe_offload") and "[transformers]" not in loud
+    assert "windows of 32 tokens" in loud
+    assert "hf_moe_offload" not in quiet and "hf_moe_offload" not in warning
+    (env_quiet,) = _perplexity_stderr([], env={"TRANSFORMERS_VERBOSITY": "error"})
+    assert "hf_moe_offload" not in env_quiet
 
 
 def test_quiet_in_process_leaves_no_info_lines(capsys):

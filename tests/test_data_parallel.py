@@ -1,4 +1,4 @@
-"""Data-parallel batch jobs (issue 11 part 4): one offloaded model per process over gloo, the prompts split by rank
+"""Data-parallel batch jobs: one offloaded model per process over gloo, the prompts split by rank
 and the results gathered in order; `torchrun` runs of batch generation and of lm-eval give the one-process
 results."""
 

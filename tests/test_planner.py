@@ -1,4 +1,4 @@
-"""The planner and the machine profile (issue 9 parts 2-3): memory never exceeded, CPU attention when the KV cache
+"""The planner and the machine profile: memory never exceeded, CPU attention when the KV cache
 cannot fit the device, impossible budgets refused naming the smallest, profile files accepted or refused by field."""
 
 import dataclasses
