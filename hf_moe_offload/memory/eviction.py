@@ -11,7 +11,7 @@ same answer.
 
 `LookAhead` ("lookahead") also takes what is known of the future: `predict(layer, experts)` (the next routers
 applied to the current hidden state: experts of a coming layer this very pass will use) and `observe(layer,
-experts)` (what the router chose: likely again at the next step). `schedule.StreamPlanner` feeds both.
+experts)` (what the router chose: likely again at the next step). `runtime.lookahead_gate.RouterLookahead` feeds both.
 
 Example:
     >>> policy = make_eviction("layer", num_layers=4)
