@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypedDict
 
 import psutil
@@ -163,6 +164,75 @@ def auto_store(expert_bytes: int, resident_bytes: int, on_cpu: bool, host_bytes:
     return "cpu" if expert_bytes + (resident_bytes if on_cpu else 0) <= host_bytes else "disk"
 
 
+CGROUP_ROOT = Path("/sys/fs/cgroup")     # where the kernel mounts the control groups (a test points it elsewhere)
+PROC_CGROUP = Path("/proc/self/cgroup")  # this process's control group per hierarchy
+_UNLIMITED = 1 << 60                     # cgroup v1 writes "no limit" as a page-rounded 2**63 - 1
+
+
+@dataclass(frozen=True)
+class ContainerMemory:
+    """The memory limit of this process's control group (a container's memory, as `docker run -m` or Kubernetes
+    set it) and what its processes use of it, leaving out inactive page cache (the kernel reclaims that first)."""
+
+    limit: int
+    used: int
+
+    @property
+    def available(self) -> int:
+        return max(0, self.limit - self.used)
+
+
+def container_memory() -> ContainerMemory | None:
+    """This process's control-group memory limit and use (cgroup v2, else v1), or None when it has no limit."""
+    groups = {}
+    try:
+        for line in PROC_CGROUP.read_text().splitlines():
+            _, controllers, path = line.split(":", 2)
+            groups[controllers] = path.lstrip("/")
+    except (OSError, ValueError):
+        return None
+    v2 = [CGROUP_ROOT / groups[""], CGROUP_ROOT] if "" in groups else [CGROUP_ROOT]
+    for folder in v2:
+        limit = _read_number(folder / "memory.max")
+        if limit is not None:
+            used = _read_number(folder / "memory.current") or 0
+            return ContainerMemory(limit, used - _stat(folder / "memory.stat", "inactive_file"))
+    v1_path = next((path for names, path in groups.items() if "memory" in names.split(",")), "")
+    for folder in (CGROUP_ROOT / "memory" / v1_path, CGROUP_ROOT / "memory"):
+        limit = _read_number(folder / "memory.limit_in_bytes")
+        if limit is not None and limit < _UNLIMITED:
+            used = _read_number(folder / "memory.usage_in_bytes") or 0
+            return ContainerMemory(limit, used - _stat(folder / "memory.stat", "total_inactive_file"))
+    return None
+
+
+def _read_number(path: Path) -> int | None:
+    """An integer control-group file; None when it is missing, unreadable or says "max" (no limit)."""
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _stat(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key and value.strip().isdigit():
+                return int(value)
+    except OSError:
+        pass
+    return 0
+
+
+def available_host_bytes() -> int:
+    """Host memory this process can still use: the machine's available memory, within its container's limit."""
+    available = psutil.virtual_memory().available
+    container = container_memory()
+    return available if container is None else min(available, container.available)
+
+
 def free_bytes(device: torch.device) -> int:
     """Bytes an allocation on `device` can have now: on CUDA the driver's free memory plus what torch holds cached
     but unused (the cache is emptied before the expert cache is allocated), within the per-process memory fraction
@@ -172,7 +242,7 @@ def free_bytes(device: torch.device) -> int:
         allocated, reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         fraction = torch.cuda.get_per_process_memory_fraction(device)
         return max(0, min(free + reserved - allocated, int(fraction * total) - allocated))
-    return int(psutil.virtual_memory().available * (1 - HOST_HEADROOM))
+    return int(available_host_bytes() * (1 - HOST_HEADROOM))
 
 
 def headroom_bytes(device: torch.device, fp: Footprint, batch: int, seq_len: int, kv_on_device: bool = True) -> int:

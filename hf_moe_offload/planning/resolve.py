@@ -15,7 +15,6 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import psutil
 import torch
 
 from ..policy.offload_policy import (
@@ -28,8 +27,18 @@ from ..policy.offload_policy import (
     parse_size,
 )
 from .auto_plan import plan_for_policy
-from .footprint import (CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, auto_device, auto_store, free_bytes,
-                        headroom_bytes, workload)
+from .footprint import (
+    CUDA_HEADROOM_FLOOR,
+    HOST_HEADROOM,
+    Footprint,
+    auto_device,
+    auto_store,
+    available_host_bytes,
+    container_memory,
+    free_bytes,
+    headroom_bytes,
+    workload,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +74,12 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     else:
         cache = given
     cache = min(cache, fp.expert_bytes)
+    if given is not None and device.type == "cpu" and not zero_copy and cache > free_bytes(device):
+        logger.warning("hf_moe_offload: expert_cache=%s is more than the host memory this process can still use "
+                       "(%s of %s available%s, less a %d%% headroom); the cache's slots are allocated in host memory "
+                       "and the reads need page cache too: expect swapping or the out-of-memory killer. Use a "
+                       "smaller expert_cache or 'auto'", format_bytes(cache), format_bytes(free_bytes(device)),
+                       format_bytes(available_host_bytes()), _container_note(), round(HOST_HEADROOM * 100))
     # expert_compute and resident_layers (placement.py): the resident layers' budget; "cpu" needs no working set.
     cache = check_placement(policy, fp.layer_experts, fp.slab_bytes, fp.top_k, cache, zero_copy)
     if not zero_copy and policy.expert_compute != "cpu" and cache < fp.min_cache_bytes:
@@ -77,9 +92,9 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     resolved, plan = plan_for_policy(policy, resolved, fp)
     if auto_fields:
         logger.info("hf_moe_offload auto policy: device=%s store=%s%s expert_cache=%s (experts %s, resident part "
-                    "%s, RAM available %s)", device, store, why_store, format_bytes(cache),
+                    "%s, RAM available %s%s)", device, store, why_store, format_bytes(cache),
                     format_bytes(fp.expert_bytes), format_bytes(fp.resident_bytes),
-                    format_bytes(psutil.virtual_memory().available))
+                    format_bytes(available_host_bytes()), _container_note())
     return ResolvedPolicy(resolved, cache, plan)
 
 
@@ -124,6 +139,11 @@ def _layer_hold_slots(policy: OffloadPolicy, fp: Footprint) -> int:
     return max(fp.layer_experts, default=fp.top_k) + sum(fp.layer_experts[:layers])
 
 
+def _container_note() -> str:
+    container = container_memory()
+    return "" if container is None else f" within the container's limit of {format_bytes(container.limit)}"
+
+
 def _store(policy: OffloadPolicy, device: torch.device, fp: Footprint) -> tuple[str, str]:
     """The store, and why when "auto" chose it against the RAM rule (for the log line)."""
     if policy.store != AUTO:
@@ -131,7 +151,7 @@ def _store(policy: OffloadPolicy, device: torch.device, fp: Footprint) -> tuple[
     if device.type == "cpu" and policy.expert_cache != AUTO:
         return "disk", (f" (expert_cache={_short(policy.expert_cache)} given for the CPU device: experts in host "
                         f"memory would be used in place and the budget ignored; the disk store keeps it)")
-    available = psutil.virtual_memory().available * (1 - HOST_HEADROOM)
+    available = available_host_bytes() * (1 - HOST_HEADROOM)
     return auto_store(fp.expert_bytes, fp.resident_bytes, device.type == "cpu", available), ""
 
 
