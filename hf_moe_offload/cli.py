@@ -1,4 +1,4 @@
-"""`hf-moe-offload` command line: `demo`, `perplexity`, `train-hash`, `lm-eval`, `profile`, `plan`, `version`.
+"""`hf-moe-offload` command line: `demo`, `perplexity`, `serve`, `train-hash`, `lm-eval`, `profile`, `plan`, `version`.
 
 The policy of `demo` and `perplexity` is `--policy` (a preset name or a JSON object) and/or one flag per policy
 field (`--device`, `--store`, `--expert_cache`, `--eviction`, ...); a field flag overrides that field of `--policy`.
@@ -10,6 +10,7 @@ Example:
     $ hf-moe-offload demo --policy '{"device": "cpu", "store": "disk", "expert_cache": "10%"}'
     $ hf-moe-offload lm-eval --model_args pretrained=PATH,offload_policy=auto --tasks hfmo --device cpu
     $ hf-moe-offload perplexity --model PATH --data heldout.jsonl --policy low-ram --out ppl.json
+    $ hf-moe-offload serve PATH --store disk --port 8000       # transformers serve's OpenAI-compatible API
     $ hf-moe-offload train-hash --model PATH --dataset data.jsonl --out predictor/ --epochs 3
     $ hf-moe-offload profile            # measure this machine once; `profile --show` prints the saved one
     $ hf-moe-offload plan --model PATH --batch 64 --prompt-len 256 --gen-len 64 --profile t4 --device-memory 16GiB
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .integrations import perplexity
     from .integrations.cli_support import HelpFormatter, common_parser, underscore_aliases
     from .integrations.policy_args import policy_parser
+    from .serving import args as serve_args
     from .training import cli as train_hash
 
     parser = argparse.ArgumentParser(prog="hf-moe-offload", description=__doc__.splitlines()[0],
@@ -68,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_arguments(command(
         "perplexity", "perplexity of a causal model on a local .jsonl/.json/.txt dataset, with any offload policy",
         policy_parser(), description=perplexity.__doc__.split("\n\n")[0]))
+    serve_args.add_arguments(command(
+        "serve", "serve MODEL over an OpenAI-compatible API (transformers serve, with its flags) with offloading",
+        policy_parser(), description="transformers' OpenAI-compatible server (/v1/chat/completions, /v1/completions, "
+                                     "/v1/models, /health) with MODEL loaded through the offload policy, plus "
+                                     "/v1/offload/stats. Binds to 127.0.0.1 unless --host says otherwise."))
     train_hash.add_arguments(command(
         "train-hash", "train a SiDA hash predictor (expert prefetching) on a model's own routing", policy_parser(),
         description=train_hash.__doc__.split("\n\n")[0]))
@@ -135,6 +142,10 @@ def _run(args: argparse.Namespace, argv: list[str]) -> int:
         from .integrations import perplexity
 
         return perplexity.run(args)
+    if args.command == "serve":
+        from .serving import cli as serving
+
+        return serving.run(args)
     return _demo(args)
 
 

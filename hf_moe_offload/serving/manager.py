@@ -1,0 +1,93 @@
+"""transformers serve's model manager, loading its model through an offload policy.
+
+`OffloadModelManager` changes one step of transformers' `ModelManager`: `_load_model`, which builds the model. The
+processor, the cache of loaded models, its locks and unloading stay transformers'. `stats_payload` is what
+`/v1/offload/stats` answers.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable
+
+from transformers import PreTrainedModel
+from transformers.cli.serving.model_manager import ModelManager
+from transformers.cli.serving.utils import split_revision
+
+from ..batching.config import offload_batching_config
+from ..integrations.cli_support import UsageError
+from ..loading.patch import from_pretrained
+from ..policy.offload_policy import OffloadPolicy
+from ..runtime.engine import get_engine
+
+logger = logging.getLogger(__name__)
+
+
+class OffloadModelManager(ModelManager):
+    """A `ModelManager` whose models are loaded with `offload_policy=policy`.
+
+    `cb_overrides`: the `ContinuousBatchingConfig` fields given on the command line (`--cb-*`); the rest of the
+    continuous-batching config is sized for the offloaded model (`offload_batching_config`).
+    """
+
+    def __init__(self, *args: Any, policy: OffloadPolicy, cb_overrides: dict[str, Any] | None = None,
+                 **kwargs: Any):
+        self.policy = policy
+        self.cb_overrides = dict(cb_overrides or {})
+        super().__init__(*args, **kwargs)   # last: with force_model it loads the model right away
+
+    def _load_model(self, model_id_and_revision: str, tqdm_class: type | None = None,
+                    progress_callback: Callable | None = None, gguf_file: str | None = None) -> PreTrainedModel:
+        if gguf_file is not None:
+            raise UsageError(f"{model_id_and_revision}:{gguf_file}: GGUF weights cannot be offloaded; serve a "
+                             f"safetensors checkpoint")
+        if self.quantization is not None:
+            raise UsageError("transformers' --quantization does not apply to an offloaded model; use the policy's "
+                             "--quantize instead")
+        model_id, revision = split_revision(model_id_and_revision)
+        if progress_callback is not None:
+            progress_callback({"status": "loading", "model": model_id_and_revision, "stage": "model"})
+        # No device_map: the policy's device places the non-expert part, and the experts stay where it says.
+        model = from_pretrained(model_id, self.policy, revision=revision, dtype=self.dtype,
+                                attn_implementation=self.attn_implementation,
+                                trust_remote_code=self.trust_remote_code)
+        model.eval()
+        if self.cb_overrides:
+            _size_given_batching(model, self.cb_overrides)
+        logger.debug("loaded %s offloaded with policy %s", model_id, self.policy.to_dict())
+        return model
+
+
+def _size_given_batching(model: PreTrainedModel, overrides: dict[str, Any]) -> None:
+    """Make continuous batching without a config of its own start from the `--cb-*` fields and size the others
+    for the offloaded model (`offload_batching_config`): the server passes no config, so that this wrapper can."""
+    sized = model.init_continuous_batching   # the offload-sized default (batching.config.install_batching_defaults)
+
+    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None,
+                                 **kwargs):
+        if continuous_batching_config is None:
+            continuous_batching_config = offload_batching_config(model, workload=workload_hints, **overrides)
+        return sized(generation_config=generation_config, continuous_batching_config=continuous_batching_config,
+                     workload_hints=workload_hints, **kwargs)
+
+    model.init_continuous_batching = init_continuous_batching
+
+
+def stats_payload(manager: ModelManager) -> dict[str, Any]:
+    """The offload counters of every loaded model, by model name (`hf_moe_offload.stats`), as JSON-ready data."""
+    models = {}
+    for name, timed in list(manager.loaded_models.items()):
+        engine = get_engine(timed.model) if timed.model is not None else None
+        if engine is not None:
+            models[name] = _jsonable(dict(engine.stats_snapshot()))
+    return {"object": "offload.stats", "models": models}
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return str(value)

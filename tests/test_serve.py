@@ -1,0 +1,168 @@
+"""`hf-moe-offload serve`: transformers' server with an offloaded model, driven by the openai client and curl over
+127.0.0.1; greedy answers equal plain `generate` on the model loaded without offloading."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_moe_offload.cli import build_parser
+from hf_moe_offload.demo import DEMO_MODEL
+from hf_moe_offload.serving.cli import cb_overrides
+from hf_moe_offload.serving.hook import check_transformers
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
+                 "{% else %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+PROMPT = "The import statement"
+NEW_TOKENS = 10
+STARTUP_S = 90
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    """The demo model with a chat template (it ships none)."""
+    path = tmp_path_factory.mktemp("served") / "model"
+    shutil.copytree(DEMO_MODEL, path)
+    config_path = path / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    """One server for the module, with continuous batching, in its own process and temp folder."""
+    port, tmp = _free_port(), tmp_path_factory.mktemp("server_tmp")
+    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "hf_moe_offload.cli", "serve", str(model_dir), "--port", str(port),
+                             "--device", "cpu", "--store", "disk", "--expert-cache", "50%", "--dtype", "float32",
+                             "--continuous-batching"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_S
+    while True:
+        try:
+            if _get(base + "/health")["status"] == "ok":
+                break
+        except OSError:
+            pass
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            pytest.fail(f"server did not start: {proc.communicate()[0].decode()[-3000:]}")
+        time.sleep(0.5)
+    yield {"base": base, "proc": proc, "tmp": tmp, "model": str(model_dir)}
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """Greedy continuations of plain `generate` on the model loaded without offloading: (chat, completion)."""
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+    def greedy(inputs) -> str:
+        with torch.no_grad():
+            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        return tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    chat = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                   return_dict=True, return_tensors="pt")
+    return greedy(chat), greedy(tok(PROMPT, return_tensors="pt"))
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", timeout=60, max_retries=0)
+
+
+def test_chat_completion_equals_plain_generate(server, client, reference):
+    messages = [{"role": "user", "content": PROMPT}]
+    answer = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=NEW_TOKENS,
+                                            temperature=0)
+    assert answer.choices[0].message.content == reference[0]
+    chunks = client.chat.completions.create(model=server["model"], messages=messages, max_tokens=NEW_TOKENS,
+                                            temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == reference[0]
+
+
+def test_completion_equals_plain_generate(server, client, reference):
+    answer = client.completions.create(model=server["model"], prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    assert answer.choices[0].text == reference[1]
+    chunks = client.completions.create(model=server["model"], prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0,
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == reference[1]
+
+
+def test_curl_and_the_stats_endpoint_count_the_requests_experts(server, reference):
+    curl = shutil.which("curl")
+    if curl is None:
+        pytest.fail("curl is needed for this test")
+    before = _get(server["base"] + "/v1/offload/stats")["models"][server["model"]]
+    body = json.dumps({"prompt": PROMPT, "max_tokens": NEW_TOKENS, "temperature": 0})
+    out = subprocess.run([curl, "-sS", "--max-time", "60", server["base"] + "/v1/completions", "-H",
+                          "Content-Type: application/json", "-d", body], capture_output=True, check=True, timeout=90)
+    assert json.loads(out.stdout)["choices"][0]["text"] == reference[1]
+    after = _get(server["base"] + "/v1/offload/stats")["models"][server["model"]]
+    # every new token and the prompt route through top-2 of 8 experts in each of the 4 layers
+    assert after["experts_used"] - before["experts_used"] >= NEW_TOKENS * 4 * 2
+    assert after["hits"] + after["misses"] > before["hits"] + before["misses"]
+    models = _get(server["base"] + "/v1/models")["data"]
+    assert [m["id"] for m in models] == [server["model"]]
+
+
+def test_zz_sigterm_stops_the_server_cleanly(server):
+    """Runs last in the module (name order): SIGTERM shuts the app down (uvicorn then re-raises the signal, so the
+    status is that of SIGTERM) within seconds, leaving nothing in its temp folder."""
+    proc = server["proc"]
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=30)[0].decode()
+    assert proc.returncode in (0, -signal.SIGTERM), out[-3000:]
+    assert "Application shutdown complete" in out and "Traceback" not in out
+    assert list(server["tmp"].iterdir()) == []
+
+
+def test_transformers_still_has_what_the_hook_relies_on():
+    check_transformers()
+
+
+def test_flags_keep_transformers_names_and_the_cb_flags_win():
+    args = build_parser().parse_args(["serve", "m", "--cb-num-blocks", "8", "--continuous-batching",
+                                      "--store", "disk", "--log-level", "info"])
+    assert (args.host, args.port, args.continuous_batching) == ("127.0.0.1", 8000, True)
+    assert cb_overrides(args) == {"num_blocks": 8}
+
+
+def test_bad_arguments_get_one_error_line(tmp_path, capsys, model_dir):
+    from hf_moe_offload.cli import main
+
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    assert "error: MODEL" in capsys.readouterr().err
+    assert main(["serve", str(model_dir), "--cb-num-blocks", "4"]) == 2
+    assert "need --continuous-batching" in capsys.readouterr().err
