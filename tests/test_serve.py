@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -135,6 +136,17 @@ def test_curl_and_the_stats_endpoint_count_the_requests_experts(server, referenc
     assert after["hits"] + after["misses"] > before["hits"] + before["misses"]
     models = _get(server["base"] + "/v1/models")["data"]
     assert [m["id"] for m in models] == [server["model"]]
+
+
+def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(server, client, reference):
+    for body in ({"prompt": 3, "max_tokens": 2}, {"model": "another/model", "prompt": PROMPT, "max_tokens": 2}):
+        request = urllib.request.Request(server["base"] + "/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=30)
+        assert 400 <= err.value.code < 500, body
+    answer = client.completions.create(model=server["model"], prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
+    assert answer.choices[0].text == reference[1]
 
 
 def test_zz_sigterm_stops_the_server_cleanly(server):
