@@ -20,17 +20,17 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from ..storage.folders import write_json
 
 logger = logging.getLogger(__name__)
 
@@ -191,17 +191,7 @@ class MachineProfile:
         and renamed over it, so a reader never sees half a file."""
         path = Path(path) if path is not None else default_profile_path()
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps(self.to_dict(), indent=1) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_json(str(path.parent), path.name, self.to_dict(), indent=1)
         return path
 
     @classmethod

@@ -3,7 +3,7 @@ into place once whole, a disk that fills up named as such, and temporary folders
 
 - `folder_lock(folder)`: an `fcntl.flock` on the folder itself; builders hold it exclusively (a second builder
   waits for the first), readers hold it shared while they read the manifest and open the files it names.
-- `write_safetensors`: one safetensors file written through a temporary file opened with O_EXCL | O_NOFOLLOW (a
+- `write_safetensors`, `write_json`: one file written through a temporary file opened with O_EXCL | O_NOFOLLOW (a
   planted symlink is never followed), synced, then renamed; ENOSPC becomes a `DiskFullError` naming the folder.
 - `temporary_folder()`: a private folder in the system temp dir whose owner holds a lock on it while alive; the next
   call removes the folders whose owner is gone (killed before it could clean up).
@@ -117,43 +117,39 @@ def _header(tensors: dict[str, torch.Tensor]) -> bytes:
 def write_safetensors(folder: str, name: str, tensors: dict[str, torch.Tensor], needed: int) -> str:
     """Write contiguous CPU `tensors` as the safetensors file `folder/name`; a crash or a full disk leaves no file
     under `name` (`needed`: the whole build's bytes, for the message). Returns the path."""
+    data = [memoryview(_header(tensors)), *(memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                                           for t in tensors.values())]
+    return _write_atomically(folder, name, data, needed)
+
+
+def write_json(folder: str, name: str, data: dict, indent: int | None = None) -> str:
+    """Replace `folder/name` with `data` as JSON, atomically (temporary file, fsync, rename, directory fsync).
+    Returns the path."""
+    path = _write_atomically(folder, name, [memoryview((json.dumps(data, indent=indent) + "\n").encode())], 0)
+    sync_folder(folder)
+    return path
+
+
+def _write_atomically(folder: str, name: str, chunks: list[memoryview], needed: int) -> str:
+    """Write `chunks` to a new temporary file in `folder`, sync it and rename it to `name`: a crash, an interrupt or
+    a full disk leaves no file under `name` and no temporary file. ENOSPC becomes a `DiskFullError`."""
     fd, tmp = _open_temp(folder)
     try:
         try:
-            _write_all(fd, memoryview(_header(tensors)))
-            for t in tensors.values():
-                _write_all(fd, memoryview(t.reshape(-1).view(torch.uint8).numpy()))
-            os.fsync(fd)           # on disk before the name (and later the manifest) says it is whole
+            for chunk in chunks:
+                _write_all(fd, chunk)
+            os.fsync(fd)           # on disk before the name (and later a manifest) says it is whole
         finally:
             os.close(fd)
         path = os.path.join(folder, name)
         os.replace(tmp, path)
-    except OSError as err:
+    except BaseException as err:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
+        if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
             raise _disk_full(folder, needed, err) from err
         raise
     return path
-
-
-def write_json(folder: str, name: str, data: dict) -> None:
-    """Replace `folder/name` with `data` as JSON, atomically (temporary file, fsync, rename, directory fsync)."""
-    fd, tmp = _open_temp(folder)
-    try:
-        try:
-            _write_all(fd, memoryview(json.dumps(data).encode()))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, os.path.join(folder, name))
-    except OSError as err:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        if err.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise _disk_full(folder, 0, err) from err
-        raise
-    sync_folder(folder)
 
 
 def sync_folder(folder: str) -> None:

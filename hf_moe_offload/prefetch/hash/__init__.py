@@ -12,18 +12,18 @@ Example:
 """
 
 from .config import (
-                     CONFIG_NAME,
-                     FINGERPRINT_FIELDS,
-                     FORMAT_VERSION,
-                     MODEL_CARD_NAME,
-                     WEIGHTS_NAME,
-                     HashPredictorConfig,
-                     PredictorFileError,
-                     PredictorMismatchError,
-                     PredictorNotFoundError,
-                     fingerprint,
-                     predicted_layers,
-                     renormalizes_topk,
+    CONFIG_NAME,
+    FINGERPRINT_FIELDS,
+    FORMAT_VERSION,
+    MODEL_CARD_NAME,
+    WEIGHTS_NAME,
+    HashPredictorConfig,
+    PredictorFileError,
+    PredictorMismatchError,
+    PredictorNotFoundError,
+    fingerprint,
+    predicted_layers,
+    renormalizes_topk,
 )
 from .io import check_fingerprint, is_hub_repo_id, resolve_predictor
 from .model import HashPredictor, PredictorState, embed, sparsemax
