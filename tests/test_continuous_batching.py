@@ -318,3 +318,19 @@ def test_plain_generate_beside_a_running_generate_batch_gives_the_unpatched_toke
     assert batched == plain * 3
     for out in direct:
         assert torch.equal(out, expected)
+
+
+def test_fields_fixed_on_the_engine_win_and_disable_still_removes_the_default(tiny_models, references):
+    """A caller that fixes some ContinuousBatchingConfig fields (a server's --cb-* flags) gets them in the sized
+    config of a plain generate_batch, and disable() still removes the library's default."""
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICIES["disk-small-cache"], max_batch_size=4,
+                      max_seq_len=512)
+    hf_moe_offload.get_engine(model).batching_overrides = {"max_batch_tokens": 24, "scheduler_type": "prefill_first"}
+    out = model.generate_batch(_prompts(), generation_config=GEN, persistent_manager=True)
+    assert [o.generated_tokens for o in out.values()] == references["mixtral"][1]
+    used = model._cached_continuous_batching_manager.continuous_batching_config
+    model.destroy_cached_continuous_batching_manager()
+    assert (used.max_batch_tokens, used.scheduler_type) == (24, "prefill_first")
+    assert used.use_cuda_graph == (False, False)           # the fields not fixed are still sized for offloading
+    hf_moe_offload.disable(model)
+    assert "init_continuous_batching" not in vars(model)

@@ -245,7 +245,8 @@ def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | N
 
 def install_batching_defaults(model: nn.Module) -> Callable[[], None] | None:
     """Make `model.init_continuous_batching` (what `generate_batch` and `continuous_batching_context_manager` call)
-    use `offload_batching_config` when it gets no `ContinuousBatchingConfig`, sized for the call's `WorkloadHints`.
+    use `offload_batching_config` when it gets no `ContinuousBatchingConfig`, sized for the call's `WorkloadHints`,
+    with the engine's `batching_overrides` (fields a caller fixed, e.g. a server's `--cb-*` flags) applied.
     An instance attribute, as accelerate's hooks are; returns the function that removes it (None: nothing to do,
     the model has no continuous batching or is an encoder-decoder).
 
@@ -267,7 +268,11 @@ def install_batching_defaults(model: nn.Module) -> Callable[[], None] | None:
             getattr(generation, "continuous_batching_config", None), ContinuousBatchingConfig)
         reused = getattr(model, "_cached_continuous_batching_manager", None) is not None   # its config stays
         if not given and not reused:
-            continuous_batching_config = offload_batching_config(model, workload=workload_hints)
+            engine = get_engine(model)
+            overrides = engine.batching_overrides if engine is not None else {}
+            # Fixed fields are the caller's: CUDA graphs asked for there are refused, as in a given config.
+            continuous_batching_config = without_cuda_graphs(
+                offload_batching_config(model, workload=workload_hints, **overrides))
         elif given and not reused:
             continuous_batching_config = without_cuda_graphs(
                 continuous_batching_config or generation.continuous_batching_config)

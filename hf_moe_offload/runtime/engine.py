@@ -12,22 +12,21 @@ What the model keeps promising while offloaded:
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import nn
 
-from . import microbatch
 from ..arch import MoEArch
-from ..memory.cache import ExpertCache
-from ..memory.cache_group import CacheGroup, DevicePlan, build_cache_group
 from ..hooks import HookHandle, LayerHook
 from ..layout import MoELayer
+from ..memory.cache import ExpertCache
+from ..memory.cache_group import CacheGroup, DevicePlan, build_cache_group
 from ..policy.offload_policy import OffloadPolicy, PolicyError
-from .pass_scheduler import PassScheduler
 from ..stats import OffloadStats, StatsSnapshot
 from ..storage.store import ExpertStore
-
+from . import microbatch
+from .pass_scheduler import PassScheduler
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +89,8 @@ class OffloadEngine:
         self.hooks: list[LayerHook] = []
         self.prefetcher = None    # the HashPrefetcher hook when the policy names a predictor
         self.plan: dict | None = None   # the auto plan's prediction (`stats()["plan"]`), set by whoever resolved it
+        # ContinuousBatchingConfig fields fixed for generate_batch without a config; the rest sized for offloading.
+        self.batching_overrides: dict[str, Any] = {}
         self._state_dict_hooks: list = []
         self.on_detach: list[Callable[[], None]] = []   # clean-ups owned by whoever attached (e.g. a spill dir)
         self.micro_batched: microbatch.MicroBatchedLayers | None = None   # policy.micro_batches > 1

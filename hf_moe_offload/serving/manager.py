@@ -14,7 +14,6 @@ from transformers import PreTrainedModel
 from transformers.cli.serving.model_manager import ModelManager
 from transformers.cli.serving.utils import split_revision
 
-from ..batching.config import offload_batching_config
 from ..integrations.cli_support import UsageError
 from ..loading.patch import from_pretrained
 from ..policy.offload_policy import OffloadPolicy
@@ -52,25 +51,10 @@ class OffloadModelManager(ModelManager):
                                 attn_implementation=self.attn_implementation,
                                 trust_remote_code=self.trust_remote_code)
         model.eval()
-        if self.cb_overrides:
-            _size_given_batching(model, self.cb_overrides)
+        # generate_batch without a config of its own (the server passes none) starts from the --cb-* fields.
+        get_engine(model).batching_overrides = dict(self.cb_overrides)
         logger.debug("loaded %s offloaded with policy %s", model_id, self.policy.to_dict())
         return model
-
-
-def _size_given_batching(model: PreTrainedModel, overrides: dict[str, Any]) -> None:
-    """Make continuous batching without a config of its own start from the `--cb-*` fields and size the others
-    for the offloaded model (`offload_batching_config`): the server passes no config, so that this wrapper can."""
-    sized = model.init_continuous_batching   # the offload-sized default (batching.config.install_batching_defaults)
-
-    def init_continuous_batching(generation_config=None, continuous_batching_config=None, workload_hints=None,
-                                 **kwargs):
-        if continuous_batching_config is None:
-            continuous_batching_config = offload_batching_config(model, workload=workload_hints, **overrides)
-        return sized(generation_config=generation_config, continuous_batching_config=continuous_batching_config,
-                     workload_hints=workload_hints, **kwargs)
-
-    model.init_continuous_batching = init_continuous_batching
 
 
 def stats_payload(manager: ModelManager) -> dict[str, Any]:
