@@ -4,98 +4,40 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_moe_offload.cli import build_parser
-from hf_moe_offload.demo import DEMO_MODEL
 from hf_moe_offload.serving.cli import cb_overrides
 from hf_moe_offload.serving.hook import check_transformers
-
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {% if m['content'] is string %}{{ m['content'] }}"
-                 "{% else %}{% for p in m['content'] %}{{ p['text'] }}{% endfor %}{% endif %}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
-PROMPT = "The import statement"
-NEW_TOKENS = 10
-STARTUP_S = 90
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _get(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        return json.loads(response.read())
+from serve_helpers import NEW_TOKENS, PROMPT, Reference, get_json as _get, served_model_copy, start_server
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
+def model_dir(tmp_path_factory):
     """The demo model with a chat template (it ships none)."""
-    path = tmp_path_factory.mktemp("served") / "model"
-    shutil.copytree(DEMO_MODEL, path)
-    config_path = path / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config))
-    return path
+    return served_model_copy(tmp_path_factory.mktemp("served"))
 
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     """One server for the module, with continuous batching, in its own process and temp folder."""
-    port, tmp = _free_port(), tmp_path_factory.mktemp("server_tmp")
-    env = {**os.environ, "TMPDIR": str(tmp), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "hf_moe_offload.cli", "serve", str(model_dir), "--port", str(port),
-                             "--device", "cpu", "--store", "disk", "--expert-cache", "50%", "--dtype", "float32",
-                             "--continuous-batching"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_S
-    while True:
-        try:
-            if _get(base + "/health")["status"] == "ok":
-                break
-        except OSError:
-            pass
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            pytest.fail(f"server did not start: {proc.communicate()[0].decode()[-3000:]}")
-        time.sleep(0.5)
-    yield {"base": base, "proc": proc, "tmp": tmp, "model": str(model_dir)}
-    if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=10)
+    server = start_server(model_dir, tmp_path_factory.mktemp("server_tmp"), "--continuous-batching")
+    yield {"base": server.base, "proc": server.proc, "tmp": server.tmp, "model": server.model}
+    server.stop()
 
 
 @pytest.fixture(scope="module")
 def reference(model_dir):
     """Greedy continuations of plain `generate` on the model loaded without offloading: (chat, completion)."""
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    def greedy(inputs) -> str:
-        with torch.no_grad():
-            out = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-        return tok.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
-
-    chat = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
-                                   return_dict=True, return_tensors="pt")
-    return greedy(chat), greedy(tok(PROMPT, return_tensors="pt"))
+    ref = Reference(model_dir)
+    return ref.chat(PROMPT), ref.completion(PROMPT)
 
 
 @pytest.fixture(scope="module")

@@ -3,7 +3,12 @@
 transformers 5 has no extension point for either: `Serve.__init__` imports `ModelManager` and `build_server` from
 their modules when it runs and calls them with fixed arguments. `offload_serving()` swaps those two module names
 while the server runs (in the `hf-moe-offload serve` process, which serves nothing else) and puts them back after.
-`check_transformers()` verifies each thing relied on and names the one that changed; tests call it.
+`check_transformers()` verifies each thing relied on (here and in `served_batching`) and names the one that
+changed; tests call it.
+
+A request that fails inside generation (a failed expert read, mostly) gets a JSON error response from
+`_failed_request` instead of escaping the app: an exception that escapes makes uvicorn close the connection, and
+a client's next request on it would fail too.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 
 from transformers.cli import serve
 from transformers.cli.serving import model_manager, server
+from transformers.generation.continuous_batching import continuous_api
 
 from ..policy.offload_policy import OffloadPolicy
 from .manager import OffloadModelManager, stats_payload
@@ -27,6 +33,11 @@ STATS_ROUTE = "/v1/offload/stats"
 # What `Serve.__init__` must import at call time for the swap to reach it.
 CALL_TIME_IMPORTS = ("from .serving.model_manager import ModelManager", "from .serving.server import build_server")
 LOAD_MODEL_PARAMS = ("self", "model_id_and_revision", "tqdm_class", "progress_callback", "gguf_file")
+# What `served_batching` calls or patches on transformers' continuous-batching classes.
+CB_MEMBERS = {"ContinuousBatchingManager": ("_generation_loop_body", "_generation_step", "cancel_request", "is_running"),
+              "ContinuousBatchProcessor": ("handle_batch_error",), "PagedAttentionCache": ("compute_free_capacity",)}
+# Errors a failed request raises through the route (a CB worker's death keeps transformers' own 503 handler).
+FAILED_REQUEST_ERRORS = (RuntimeError, OSError, ValueError)
 
 
 class TransformersServeChanged(RuntimeError):
@@ -47,6 +58,12 @@ def check_transformers() -> None:
             problems.append(f"build_server() has no `{name}` argument")
     if "self.loaded_models" not in inspect.getsource(model_manager.ModelManager.__init__):
         problems.append("ModelManager keeps no `loaded_models`")
+    for cls_name, members in CB_MEMBERS.items():
+        cls = getattr(continuous_api, cls_name, None)
+        problems += [f"{cls_name}.{m} is gone" for m in members if cls is None or not hasattr(cls, m)]
+    if "self.output_router.result_handlers" not in inspect.getsource(
+            continuous_api.ContinuousBatchingManager.register_result_handler):
+        problems.append("ContinuousBatchingManager keeps no `output_router.result_handlers`")
     if problems:
         raise TransformersServeChanged("transformers serve changed; hf-moe-offload serve needs updating: "
                                        + "; ".join(problems))
@@ -70,6 +87,8 @@ def _build_server(original, model_manager, *args: Any, generation_state=None, **
     """transformers' app, plus the stats route, and its generation threads stopped when the app shuts down."""
     app = original(model_manager, *args, generation_state=generation_state, **kwargs)
     app.add_api_route(STATS_ROUTE, lambda: stats_payload(model_manager), methods=["GET"])
+    for error in FAILED_REQUEST_ERRORS:
+        app.add_exception_handler(error, _failed_request)
     own_lifespan = app.router.lifespan_context
 
     @contextlib.asynccontextmanager
@@ -82,3 +101,13 @@ def _build_server(original, model_manager, *args: Any, generation_state=None, **
 
     app.router.lifespan_context = lifespan
     return app
+
+
+async def _failed_request(request: Any, error: Exception) -> Any:
+    """A 500 in OpenAI's error shape (`{"error": {"message": ..., "type": "server_error"}}`: the openai client
+    shows the message) for a request whose generation failed; logged with its traceback."""
+    from fastapi.responses import JSONResponse   # the serve extra's; this module is imported without it
+
+    logger.error("hf_moe_offload serve: %s %s failed: %s", request.method, request.url.path, error, exc_info=error)
+    return JSONResponse({"error": {"message": str(error), "type": "server_error", "param": None, "code": None}},
+                        status_code=500)

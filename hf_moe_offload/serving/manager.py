@@ -1,8 +1,8 @@
 """transformers serve's model manager, loading its model through an offload policy.
 
-`OffloadModelManager` changes one step of transformers' `ModelManager`: `_load_model`, which builds the model. The
-processor, the cache of loaded models, its locks and unloading stay transformers'. `stats_payload` is what
-`/v1/offload/stats` answers.
+`OffloadModelManager` changes one step of transformers' `ModelManager`: `_load_model`, which builds the model (and
+watches its continuous batching: `served_batching`). The processor, the cache of loaded models, its locks and
+unloading stay transformers'. `stats_payload` is what `/v1/offload/stats` answers.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from ..integrations.cli_support import UsageError
 from ..loading.patch import from_pretrained
 from ..policy.offload_policy import OffloadPolicy
 from ..runtime.engine import get_engine
+from .served_batching import ServedBatching
 
 logger = logging.getLogger(__name__)
 
@@ -33,6 +34,7 @@ class OffloadModelManager(ModelManager):
                  **kwargs: Any):
         self.policy = policy
         self.cb_overrides = dict(cb_overrides or {})
+        self.batching: dict[str, ServedBatching] = {}   # by model_id@revision, as `loaded_models`
         super().__init__(*args, **kwargs)   # last: with force_model it loads the model right away
 
     def _load_model(self, model_id_and_revision: str, tqdm_class: type | None = None,
@@ -53,18 +55,23 @@ class OffloadModelManager(ModelManager):
         model.eval()
         # generate_batch without a config of its own (the server passes none) starts from the --cb-* fields.
         get_engine(model).batching_overrides = dict(self.cb_overrides)
+        self.batching[model_id_and_revision] = ServedBatching.attach(model)
         logger.debug("loaded %s offloaded with policy %s", model_id, self.policy.to_dict())
         return model
 
 
 def stats_payload(manager: ModelManager) -> dict[str, Any]:
-    """The offload counters of every loaded model, by model name (`hf_moe_offload.stats`), as JSON-ready data."""
-    models = {}
+    """The offload counters of every loaded model, by model name (`hf_moe_offload.stats`), and the state of its
+    continuous batching (`ServedBatching.snapshot`; null before its first request or without it), as JSON-ready
+    data."""
+    models, batching = {}, {}
+    served = getattr(manager, "batching", {})
     for name, timed in list(manager.loaded_models.items()):
         engine = get_engine(timed.model) if timed.model is not None else None
         if engine is not None:
             models[name] = _jsonable(dict(engine.stats_snapshot()))
-    return {"object": "offload.stats", "models": models}
+            batching[name] = _jsonable(served[name].snapshot()) if name in served else None
+    return {"object": "offload.stats", "models": models, "batching": batching}
 
 
 def _jsonable(value: Any) -> Any:
