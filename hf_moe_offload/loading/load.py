@@ -113,9 +113,10 @@ def _offload_kwargs(policy: OffloadPolicy, kwargs: dict) -> tuple[Any, Any, Any]
 
 
 def _place(policy: OffloadPolicy, skeleton: nn.Module, layers: list[MoELayer], dtype: torch.dtype, user_map: Any,
-           max_memory: Any) -> _Placement:
-    """Resolve the policy for this model's footprint, and where transformers loads each module."""
-    fp = footprint(skeleton, layers, dtype, policy_quantized_layouts(policy, layers, dtype))
+           max_memory: Any, quantized: list | None = None) -> _Placement:
+    """Resolve the policy for this model's footprint, and where transformers loads each module. `quantized`: the
+    slab layouts of experts the checkpoint stores quantized (GGUF blocks), else the policy's own quantization."""
+    fp = footprint(skeleton, layers, dtype, quantized or policy_quantized_layouts(policy, layers, dtype))
     if user_map is None:
         resolved = resolve(policy, fp)
         return _Placement(resolved, _device_map(skeleton, layers, torch.device(resolved.policy.device)), None)

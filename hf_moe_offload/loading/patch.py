@@ -19,6 +19,7 @@ from typing import Any
 
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
+from .gguf import load_gguf_offloaded
 from .load import load_offloaded
 
 _ORIGINAL = PreTrainedModel.from_pretrained.__func__
@@ -29,8 +30,13 @@ def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, offload_po
     with _LOAD_LOCK:
         if offload_policy is None:
             return _ORIGINAL(cls, pretrained_model_name_or_path, *model_args, **kwargs)
-        return load_offloaded(cls, pretrained_model_name_or_path, offload_policy, *model_args,
-                              original_from_pretrained=_ORIGINAL, **kwargs)
+        return _loader(kwargs)(cls, pretrained_model_name_or_path, offload_policy, *model_args,
+                               original_from_pretrained=_ORIGINAL, **kwargs)
+
+
+def _loader(kwargs: dict):
+    """The offloaded load for these `from_pretrained` keywords: a GGUF file's (`gguf_file=`), or safetensors'."""
+    return load_gguf_offloaded if kwargs.get("gguf_file") is not None else load_offloaded
 
 
 def install() -> None:
@@ -59,13 +65,14 @@ def from_pretrained(pretrained_model_name_or_path, offload_policy: Any = "auto",
     """
     if model_class is None:
 
-        model_class = auto_model_class(kwargs.get("config") or AutoConfig.from_pretrained(pretrained_model_name_or_path))
+        model_class = auto_model_class(kwargs.get("config") or AutoConfig.from_pretrained(
+            pretrained_model_name_or_path, **({"gguf_file": kwargs["gguf_file"]} if kwargs.get("gguf_file") else {})))
     if hasattr(model_class, "_model_mapping"):   # Auto class: let it pick the concrete class, then our loader runs
         return model_class.from_pretrained(pretrained_model_name_or_path, *model_args,
                                            offload_policy=offload_policy, **kwargs)
     with _LOAD_LOCK:
-        return load_offloaded(model_class, pretrained_model_name_or_path, offload_policy, *model_args,
-                              original_from_pretrained=_ORIGINAL, **kwargs)
+        return _loader(kwargs)(model_class, pretrained_model_name_or_path, offload_policy, *model_args,
+                               original_from_pretrained=_ORIGINAL, **kwargs)
 
 
 def auto_model_class(config) -> type:

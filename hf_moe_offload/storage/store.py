@@ -31,6 +31,7 @@ import torch
 from .._logging import progress
 from ..layout import ExpertPiece, ExpertTensors, MoELayer, SlabLayout
 from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
+from .gguf_layout import GGUFSlabLayout
 from .integrity import ExpertChecksums, FileIdentity, check_identity
 from .quantize import QuantizedSlabLayout
 
@@ -194,7 +195,7 @@ class ExpertStore:
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.layouts[0], QuantizedSlabLayout) if self.layouts else False
+        return isinstance(self.layouts[0], (QuantizedSlabLayout, GGUFSlabLayout)) if self.layouts else False
 
     def slab_bytes(self, layer: int) -> int:
         return self.layouts[layer].numel * self.dtype.itemsize
@@ -427,7 +428,7 @@ class CpuStore(ExpertStore):
     def from_reader(cls, reader: DiskStore, pin: bool | None = None, device: torch.device | None = None
                     ) -> "CpuStore":
         """Read every expert from the checkpoint into host memory (progress bar over layers)."""
-        store = cls.allocate(reader.layouts, reader.num_experts, reader.dtype, pin, device)
+        store = cls.allocate(reader.layouts, reader.num_experts, reader.dtype, pin, device, reader.compute_dtype)
         try:
             for layer in progress(range(len(store.slabs)), desc="Loading experts into host memory", unit="layer"):
                 for e in range(store.num_experts[layer]):
