@@ -33,6 +33,7 @@ from ..layout import ExpertPiece, ExpertTensors, MoELayer, SlabLayout
 from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
 from .gguf_layout import GGUFSlabLayout
 from .integrity import ExpertChecksums, FileIdentity, check_identity
+from .packed_layout import PackedSlabLayout
 from .quantize import QuantizedSlabLayout
 
 # cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.
@@ -71,12 +72,13 @@ class HostMemory:
             if self.device is None or nbytes == 0:
                 return torch.empty(shape, dtype=dtype)
             size = -(-nbytes // PAGE) * PAGE
-            raw = torch.empty(size + PAGE, dtype=torch.uint8)   # room to start on a page boundary
-            start = -raw.data_ptr() % PAGE
-            _register(raw.data_ptr() + start, size, self.device)
-            self._registered.append((raw.data_ptr() + start, size, raw))
+            # An anonymous mapping starts on a page, so the tensor's storage begins where the registration does:
+            # torch's `is_pinned()` looks at the storage's first byte, and no other allocation shares these pages.
+            raw = torch.frombuffer(mmap.mmap(-1, size), dtype=torch.uint8)
+            _register(raw.data_ptr(), size, self.device)
+            self._registered.append((raw.data_ptr(), size, raw))
             self.pinned_bytes += size
-            return raw[start:start + nbytes].view(dtype).view(shape)
+            return raw[:nbytes].view(dtype).view(shape)
 
     def note_reader(self, device: torch.device) -> None:
         """`device`'s copy engine reads these buffers: unregistering waits for it too."""
@@ -108,6 +110,7 @@ def _register(address: int, nbytes: int, device: torch.device) -> None:
             # The runtime also left the error as this thread's last error, which torch's next kernel launch check
             # (cudaGetLastError) would raise as its own: clear it while still on this device.
             _clear_last_cuda_error()
+            _absorb_launch_error(device)
     if code:
         raise RuntimeError(f"cannot pin {nbytes} bytes of host memory for {device} (CUDA error {code}: "
                            f"{_cuda_error_name(result)}): the host may be out of lockable memory (see `ulimit -l`); "
@@ -126,6 +129,17 @@ def _clear_last_cuda_error() -> None:
     runtime = _loaded_cudart()
     if runtime is not None:
         runtime.cudaGetLastError()
+
+
+def _absorb_launch_error(device: torch.device) -> None:
+    """Let torch's own launch check take a last error still set: torch may link a CUDA runtime of its own (static)
+    that `_clear_last_cuda_error` cannot reach, and its check after a kernel launch reads and clears the error."""
+    if not torch.cuda.is_available():
+        return
+    try:
+        torch.zeros(1, device=device)
+    except RuntimeError:         # the registration's error, raised once here instead of by the caller's next launch
+        pass
 
 
 def _loaded_cudart():
@@ -195,7 +209,8 @@ class ExpertStore:
 
     @property
     def quantized(self) -> bool:
-        return isinstance(self.layouts[0], (QuantizedSlabLayout, GGUFSlabLayout)) if self.layouts else False
+        return isinstance(self.layouts[0], (QuantizedSlabLayout, GGUFSlabLayout, PackedSlabLayout)) if self.layouts \
+            else False
 
     def slab_bytes(self, layer: int) -> int:
         return self.layouts[layer].numel * self.dtype.itemsize
