@@ -198,3 +198,23 @@ def test_a_failed_host_registration_clears_the_cuda_last_error_and_names_the_fal
     assert calls == ["cleared"]
     assert "out of memory" in str(err.value)
     assert memory.pinned_bytes == 0
+
+
+def test_a_lookahead_guess_whose_copy_has_not_landed_is_skipped_without_waiting():
+    """Waiting on the guess's copy event would be a host sync of its own: the guess is ranked only once the copy
+    has landed (a query), else that sample is skipped."""
+    from hf_moe_offload.runtime.lookahead_gate import _PendingGuess
+
+    class Event:
+        def __init__(self, done):
+            self.done = done
+
+        def query(self):
+            return self.done
+
+        def synchronize(self):
+            raise AssertionError("a guess must never wait for its copy")
+
+    counts = torch.tensor([0, 3, 1, 3])
+    assert _PendingGuess(counts, Event(False)).ranked() is None
+    assert _PendingGuess(counts, Event(True)).ranked() == [1, 3, 2]

@@ -271,7 +271,7 @@ class RouterLookahead:
         indices = self._routed_indices(nxt, hidden_states)
         if indices is None:
             return                              # every expert would be guessed: nothing to learn
-        counts = torch.bincount(indices.reshape(-1), minlength=self.layers[nxt].layer.num_experts)
+        counts = count_experts(indices, self.layers[nxt].layer.num_experts)
         host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         host.copy_(counts, non_blocking=True)
         copied = torch.cuda.Event()
@@ -296,8 +296,11 @@ class RouterLookahead:
         if guesses is None:
             return
         if isinstance(guesses, _PendingGuess):
+            ranked = guesses.ranked()
+            if ranked is None:
+                return                              # its counts have not landed: skip one sample, never wait
             top_k = self.layers[layer].layer.top_k
-            guesses = {e for e in guesses.ranked()[:top_k] if (layer, e) not in self.cache.resident}
+            guesses = {e for e in ranked[:top_k] if (layer, e) not in self.cache.resident}
         routed = {int(e) for e in experts}
         others = routed - guesses
         resident = sum(1 for e in others if (layer, e) in self.cache.resident)
@@ -379,15 +382,31 @@ class RouterLookahead:
 
 
 class _PendingGuess:
-    """Expert counts [E] on their way to pinned host memory (`_score_later`); `ranked()` waits for the copy."""
+    """Expert counts [E] on their way to pinned host memory (`_score_later`), ranked once the copy has landed."""
 
     def __init__(self, host: torch.Tensor, copied: torch.cuda.Event):
         self.host, self.copied = host, copied
 
-    def ranked(self) -> list[int]:
-        self.copied.synchronize()       # done already: the next layer's routing synchronized its stream
+    def ranked(self) -> list[int] | None:
+        """The guessed experts, most-routed first; None while the copy is still on its way. It has landed by now
+        (this layer's routing synchronized the stream behind it), so the check is a query, not a wait: waiting on
+        an event is a host sync of its own."""
+        if not self.copied.query():
+            return None
         order = torch.argsort(self.host, descending=True, stable=True)
         return [int(e) for e in order if self.host[e] > 0]
+
+
+def count_experts(indices: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """How many times each expert appears in `indices` (ids in [0, num_experts)), as [E] int64 on their device.
+    Not `torch.bincount`: on CUDA it reads the indices' max and min on the host, two syncs per call.
+
+    Example:
+        >>> count_experts(torch.tensor([[3, 1], [3, 0]]), 4).tolist()
+        [1, 1, 0, 2]
+    """
+    flat = indices.reshape(-1)
+    return torch.zeros(num_experts, dtype=torch.int64, device=flat.device).index_add_(0, flat, torch.ones_like(flat))
 
 
 def rank_experts(indices: torch.Tensor, num_experts: int) -> list[int]:
@@ -397,6 +416,6 @@ def rank_experts(indices: torch.Tensor, num_experts: int) -> list[int]:
         >>> rank_experts(torch.tensor([[3, 1], [3, 0]]), 4)
         [3, 0, 1]
     """
-    counts = torch.bincount(indices.reshape(-1), minlength=num_experts).cpu()    # one host sync
+    counts = count_experts(indices, num_experts).cpu()                          # one host sync
     order = torch.argsort(counts, descending=True, stable=True)
     return [int(e) for e in order if counts[e] > 0]
