@@ -84,6 +84,16 @@ def test_two_stand_in_devices_each_with_its_own_cache_give_the_unpatched_tokens(
     assert torch.equal(_generate(model, ids, mask), expected)
 
 
+def test_modules_after_a_block_on_another_device_get_a_hook_that_moves_their_inputs(mixtral):
+    """With {"": dev0, "model.layers.1": dev1} the final norm and the head run after layer 1: accelerate moves the
+    inputs only of blocks named in its map, so each module beside the moved layer needs an entry of its own."""
+    path = mixtral[0]
+    with stand_in_devices("dev0", "dev1"):
+        model = _load(path, SPLIT)
+    for name in ("model.embed_tokens", "model.layers.0", "model.layers.1", "model.norm", "lm_head"):
+        assert hasattr(model.get_submodule(name), "_hf_hook"), name
+
+
 def test_budget_split_follows_max_memory(mixtral):
     path, ids, mask, expected, _ = mixtral
     with stand_in_devices("dev0", "dev1"):

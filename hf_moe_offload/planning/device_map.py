@@ -163,9 +163,9 @@ def plan_devices(skeleton: nn.Module, layers: Sequence[MoELayer], device_map: An
                             lambda name: str(physical[_covering(logical_map, name, default)]))
     used = {_covering(logical_map, name, default) for name in loaded_map if name not in expert_names}
     prefixes = tuple(e + "." for e in expert_names)
-    blocks = {name: str(physical[d]) for name, d in logical_map.items()
+    blocks = {name: str(physical[d]) for name, d in _split_containing(skeleton, logical_map).items()
               if name not in expert_names and not name.startswith(prefixes)}
-    blocks.setdefault("", str(physical[default]))
+    blocks[""] = str(physical[_covering(logical_map, "", default)])
     # Activations cross devices only between blocks: accelerate's hooks move them (not needed on one device).
     hook_map = blocks if len(used | set(layer_devices)) > 1 else None
     plan = DevicePlan(loaded_map, hook_map, layer_devices, physical, budgets, primary)
@@ -243,6 +243,28 @@ def _user_map(skeleton: nn.Module, device_map: Mapping) -> dict[str, str]:
                               f"such as {example!r}, or '' for the whole model")
         logical[key] = _logical_name(value, f"device_map[{key!r}]")
     return logical
+
+
+def _split_containing(skeleton: nn.Module, logical_map: Mapping[str, str]) -> dict[str, str]:
+    """`logical_map` with every entry that contains an entry for another device replaced by its children, down to
+    that entry. accelerate's hooks move a block's inputs only for the blocks named in their map, so with
+    {"": "cuda:0", "model.layers.1": "cpu"} the final norm, after the CPU layer, needs an entry of its own.
+
+    Example:
+        >>> _split_containing(model, {"": "cuda:0", "model.layers.1": "cpu"})               # doctest: +SKIP
+        {'lm_head': 'cuda:0', 'model.embed_tokens': 'cuda:0', 'model.layers.0': 'cuda:0', 'model.layers.1': 'cpu',
+         'model.norm': 'cuda:0', 'model.rotary_emb': 'cuda:0'}
+    """
+    split = dict(logical_map)
+    while True:
+        outer = next((key for key in sorted(split, key=len) if any(
+            other != key and (key == "" or other.startswith(key + ".")) and split[other] != split[key]
+            for other in split)), None)
+        if outer is None:
+            return split
+        device = split.pop(outer)
+        for child, _ in skeleton.get_submodule(outer).named_children():
+            split.setdefault(f"{outer}.{child}" if outer else child, device)   # deeper entries keep their device
 
 
 def _covering(logical_map: Mapping[str, str], name: str, default: str) -> str:
