@@ -661,17 +661,26 @@ def accelerate_device_map(path: Path) -> dict[str, str]:
 def accelerate_cuda_kwargs(spec: dict[str, Any], offload_folder: Path, host_bytes: int) -> dict[str, Any]:
     """accelerate's own placement on GPU 0 under the row's weights budget (the cap less the working memory, as for
     hf_moe_offload); the rest in `host_bytes` of RAM (store "cpu") or all of it on disk (store "disk")."""
+    # grouped_mm: transformers' fastest experts on a GPU; its default gathers each token's expert weights
+    # (batched_mm), tens of GiB per Mixtral layer at batch 64.
     if spec["store"] == "cpu":
-        return {"device_map": "auto", "max_memory": {0: spec["weights_bytes"], "cpu": host_bytes}}
+        return {"device_map": "auto", "max_memory": {0: spec["weights_bytes"], "cpu": host_bytes},
+                "experts_implementation": "grouped_mm"}
     return {"device_map": "auto", "max_memory": {0: spec["weights_bytes"], "cpu": 0},
-            "offload_folder": str(offload_folder)}
+            "offload_folder": str(offload_folder), "experts_implementation": "grouped_mm"}
+
+
+def device_map_of(model) -> dict[str, Any]:
+    """accelerate's placement; a model that fit on one device has no `hf_device_map`: all of it is where its
+    parameters are."""
+    return getattr(model, "hf_device_map", None) or {"": next(model.parameters()).device}
 
 
 def offloaded_bytes(model, device: str) -> int:
     """Bytes of the weights accelerate keeps off the compute device: its hooks bring every one of them over once
     per forward (on the CPU only "disk" is off the device)."""
     off = {"cpu", "disk"} - {device}
-    placement = {name: str(where) for name, where in model.hf_device_map.items()}
+    placement = {name: str(where) for name, where in device_map_of(model).items()}
 
     def where(param: str) -> str:
         owner = max((m for m in placement if m == "" or param == m or param.startswith(m + ".")), key=len)
@@ -701,8 +710,8 @@ def load_system(spec: dict[str, Any], path: Path, offload_folder: Path):
 
     system, cuda = spec["system"], spec["device"] == "cuda"
     if system == "resident":
-        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16,
-                                                    **({"device_map": {"": 0}} if cuda else {})), []
+        return AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, **(
+            {"device_map": {"": 0}, "experts_implementation": "grouped_mm"} if cuda else {})), []
     if system == "accelerate":
         shutil.rmtree(offload_folder, ignore_errors=True)
         host = psutil.virtual_memory().available - 8 * GiB    # room for the process itself and the page cache
@@ -974,7 +983,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     if system == "accelerate":
         result["offload_folder_bytes"] = sum(f.stat().st_size for f in extra_files)
         result["offloaded_bytes_per_step"] = offloaded_bytes(model, spec["device"])
-        result["device_map_counts"] = dict(Counter(map(str, model.hf_device_map.values())))
+        result["device_map_counts"] = dict(Counter(map(str, device_map_of(model).values())))
     if system in POLICIES:
         result["policy"] = policy_for(spec)
         result["ours"] = summarize_ours(probe, result["decode_tokens"])

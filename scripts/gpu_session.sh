@@ -68,9 +68,11 @@ case "$phase" in
             --junitxml="$out/junit.xml" tests/test_cuda.py 2>&1 | tee "$out/cuda_tests.log"
         exit "${PIPESTATUS[0]}" ;;
     bench-quick)
-        cmd=("$py" scripts/bench.py --device cuda --layers 1 --batch-sizes 1 64 --stores cpu
+        # Caps below one layer's 2.8 GB of experts plus the working memory, so the cache must evict: 3 GiB for
+        # batch 1 (batch 64 does not fit there and is dropped), 5 GiB for both.
+        cmd=("$py" scripts/bench.py --device cuda --layers 1 --batch-sizes 1 64 --caps-gib 3 5 --stores cpu
              --systems accelerate hf_moe_offload_layer --workdir "$workdir" --out "$out/gpu_quick") ;;
 esac
 echo "${cmd[*]}" > "$out/$phase.command"
-timeout -s INT 170 "${cmd[@]}" 2>&1 | tee "$out/$phase.log"
+timeout -s INT "${BENCH_TIMEOUT_S:-200}" "${cmd[@]}" 2>&1 | tee "$out/$phase.log"
 exit "${PIPESTATUS[0]}"
