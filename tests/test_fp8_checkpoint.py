@@ -211,7 +211,7 @@ def test_non_finite_scale_is_named_when_read(tmp_path):
 
 @pytest.mark.parametrize("qc,named", [
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),
-    ({"quant_method": "awq", "bits": 4}, "quant_method='awq'"),
+    ({"quant_method": "awq", "bits": 4, "version": "gemv"}, "quant_method='awq' with version='gemv'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "fmt": "e5m2"}, "quant_method='fp8' with fmt='e5m2'"),
     ({"quant_method": "fp8", "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}, "scale_fmt='ue8m0'"),
     ({"quant_method": "fp8"}, "quant_method='fp8' without weight_block_size"),

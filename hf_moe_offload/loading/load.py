@@ -9,6 +9,7 @@ cache budget) runs before anything is allocated.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 from dataclasses import dataclass
@@ -29,12 +30,22 @@ from ..planning.resolve import ResolvedPolicy, resolve
 from ..policy.offload_policy import OffloadPolicy, PolicyError
 from ..runtime.engine import OffloadEngine
 from ..storage.checkpoint import CheckpointIndex, resolve_checkpoint_dir
+from ..storage.packed_checkpoint import PackedCheckpointIndex, PackedSource
 from ..storage.store import CpuStore, DiskStore, ExpertStore, dense_expert
 from .experts_store import policy_quantized_layouts, quantized_store
 from .finish import check_attention, finish_offloading, load_predictor
+from .packed_load import (
+    expert_modules,
+    float_config,
+    packed_layers_dense,
+    packed_layouts,
+    packed_store,
+    refuse_policy_quantize,
+)
 from .quantized_checkpoints import (
     checkpoint_block_size,
     checkpoint_is_mxfp4,
+    checkpoint_packed_format,
     dequantizing_fp8_config,
     dequantizing_mxfp4_config,
     forget_mxfp4_conversions,
@@ -65,32 +76,43 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     config = kwargs.get("config")
     if config is None or isinstance(config, str):
         config = AutoConfig.from_pretrained(config or pretrained_model_name_or_path, **hub_kwargs)
-    block_size = checkpoint_block_size(config)
+    block_size, packed = checkpoint_block_size(config), checkpoint_packed_format(config)
+    if packed is not None:
+        refuse_policy_quantize(policy)
     arch = get_arch(config)
     _warn_if_experts_implementation_requested(kwargs.get("experts_implementation")
                                               or getattr(config, "_experts_implementation", None))
-    index = CheckpointIndex.open(root, block_size=block_size)
+    index = PackedCheckpointIndex.open(root, packed) if packed else CheckpointIndex.open(root, block_size=block_size)
 
     skeleton = _meta_skeleton(model_cls, config, kwargs)
     check_attention(policy, skeleton)
     layers = arch.find_layers(skeleton)
     pieces = _locate_experts(arch, index, layers)
     dtype = _requested_dtype(kwargs, pieces, config)
+    layouts = packed_layouts(layers, pieces, index, dtype) if packed else None    # experts sized as stored
     predictor = load_predictor(policy, skeleton)       # (before plan_devices strips the skeleton's experts)
-    placement = _place(policy, skeleton, layers, dtype, user_map, max_memory)
+    placement = _place(policy, skeleton, layers, dtype, user_map, max_memory, layouts)
     del skeleton
 
     if block_size is not None:
         kwargs["quantization_config"] = dequantizing_fp8_config(config, kwargs.get("quantization_config"))
     elif checkpoint_is_mxfp4(config):
         kwargs["quantization_config"] = dequantizing_mxfp4_config(config, kwargs.get("quantization_config"))
-    with experts_left_unread():
+    elif packed is not None:                  # transformers loads a float model; the packed layers are fed dense
+        kwargs["config"] = float_config(config)
+    with experts_left_unread(), (packed_layers_dense(index, expert_modules(pieces)) if packed
+                                 else contextlib.nullcontext()):
         model = original_from_pretrained(model_cls, pretrained_model_name_or_path, *model_args,
                                          device_map=placement.module_map, **kwargs)
     if checkpoint_is_mxfp4(config):
         forget_mxfp4_conversions(model)
     layers = arch.find_layers(model)
-    store = _build_store(placement.resolved.policy, layers, pieces, offload_folder)
+    if packed is not None:
+        model_dtype = next(layers[0].module.parameters()).dtype      # what transformers chose
+        store = packed_store(placement.resolved.policy, layers, pieces,
+                             packed_layouts(layers, pieces, index, model_dtype))
+    else:
+        store = _build_store(placement.resolved.policy, layers, pieces, offload_folder)
     engine = _attach(model, arch, layers, store, placement)
     return finish_offloading(model, engine, placement.resolved, predictor)
 
@@ -192,7 +214,7 @@ def _requested_dtype(kwargs: dict, pieces, config=None) -> torch.dtype:
     if isinstance(requested, str) and requested != "auto":
         return getattr(torch, requested)
     source = pieces[0][0][0]
-    if source.scales is None:
+    if source.scales is None and not isinstance(source.source, PackedSource):
         return source.source.dtype
     named = getattr(config, "dtype", None)
     named = getattr(torch, named) if isinstance(named, str) else named

@@ -1,11 +1,13 @@
 """Checkpoints whose weights are already quantized: which ones are read per expert (fine-grained FP8; MXFP4 on
-GPT-OSS) and how transformers is asked to load their non-expert part dequantized; every other
-`quantization_config` is refused before anything is allocated, naming its method.
+GPT-OSS; GPTQ, AWQ and compressed-tensors packed integers) and how their non-expert part is loaded dequantized;
+every other `quantization_config` is refused before anything is allocated, naming its method.
 
 Fine-grained FP8 (`quant_method` "fp8" with a `weight_block_size`): transformers loads the non-expert part
 dequantized to the model dtype (its `dequantize=True` load, forced so a GPU machine does the same); each expert's FP8
 matrices and block scales are located per expert and dequantized by the store as they are read. MXFP4 GPT-OSS
-checkpoints go the same way with `Mxfp4Config(dequantize=True)`.
+checkpoints go the same way with `Mxfp4Config(dequantize=True)`. GPTQ, AWQ and compressed-tensors checkpoints
+(`checkpoint_packed_format`, rules in `packed_formats`) are loaded by `packed_load`: experts kept packed, the rest
+dequantized by hf_moe_offload itself (transformers needs gptqmodel/autoawq, and a GPU, for the first two).
 """
 
 from __future__ import annotations
@@ -17,10 +19,13 @@ from transformers import FineGrainedFP8Config, Mxfp4Config
 from transformers.integrations.mxfp4 import Mxfp4Dequantize
 
 from ..policy.offload_policy import PolicyError
+from ..storage.packed_int import PackedFormat
+from .packed_formats import PACKED_METHODS, SUPPORTED_PACKED, UnreadPackedFormat, packed_format
 
 SUPPORTED_CHECKPOINT_QUANTIZATION = ("fine-grained FP8 (quant_method='fp8' with weight_block_size [rows, cols], "
                                      "fmt 'e4m3', float block scales weight_scale_inv: DeepSeek-V3, Qwen3-*-FP8), "
-                                     "or MXFP4 for GPT-OSS only (quant_method='mxfp4': openai/gpt-oss-20b, -120b)")
+                                     "MXFP4 for GPT-OSS only (quant_method='mxfp4': openai/gpt-oss-20b, -120b), "
+                                     f"{SUPPORTED_PACKED}")
 # Model types whose MXFP4 checkpoints are read per expert (arch/gpt_oss.py; transformers quantizes no other).
 MXFP4_MODEL_TYPES = ("gpt_oss",)
 
@@ -50,8 +55,10 @@ def _fp8_problem(qc) -> str | None:
 
 def checkpoint_block_size(config) -> tuple[int, int] | None:
     """The FP8 `weight_block_size` of a fine-grained FP8 checkpoint, None for a float checkpoint; any other
-    `quantization_config` (mxfp4, gptq, awq, bitsandbytes, fp8 without block scales, ...) is refused with a
-    `PolicyError` naming its method and listing what is read. Raised before anything is allocated.
+    `quantization_config` that is not read (mxfp4 beyond GPT-OSS, bitsandbytes, hqq, fp8 without block scales, GPTQ
+    of 3 bits, ...) is refused with a `PolicyError` naming its method and listing what is read; GPTQ, AWQ and
+    compressed-tensors configs that are read give None (`checkpoint_packed_format`). Raised before anything is
+    allocated.
 
     Example:
         >>> from types import SimpleNamespace
@@ -64,6 +71,10 @@ def checkpoint_block_size(config) -> tuple[int, int] | None:
         problem = _fp8_problem(qc) if method == "fp8" else None
         if method == "fp8" and problem is None:
             return tuple(_qc_get(qc, "weight_block_size"))
+        if method in PACKED_METHODS:
+            problem = _packed_problem(qc)
+            if problem is None:
+                continue                              # read per expert: `checkpoint_packed_format`
         if method == "mxfp4":
             if _model_type(config) in MXFP4_MODEL_TYPES:
                 continue                              # read per expert: `checkpoint_is_mxfp4`
@@ -88,6 +99,27 @@ def checkpoint_is_mxfp4(config) -> bool:
     return _model_type(config) in MXFP4_MODEL_TYPES and any(
         _qc_get(qc, "quant_method") == "mxfp4" for qc in _quantization_configs(config))
 
+def _packed_problem(qc) -> str | None:
+    """Why a GPTQ/AWQ/compressed-tensors `quantization_config` is not read, or None if it is."""
+    try:
+        packed_format(qc)
+    except UnreadPackedFormat as err:
+        return f"with {err.problem}"
+    return None
+
+def checkpoint_packed_format(config) -> PackedFormat | None:
+    """The `PackedFormat` of a GPTQ, AWQ or compressed-tensors checkpoint whose packed weights are read, None for
+    any other checkpoint (`checkpoint_block_size`, called first, refuses the variants that are not read).
+
+    Example:
+        >>> from types import SimpleNamespace
+        >>> checkpoint_packed_format(SimpleNamespace(quantization_config={"quant_method": "awq", "bits": 4,
+        ...                                                                "group_size": 64})).method
+        'awq'
+    """
+    formats = [packed_format(qc) for qc in _quantization_configs(config) if _packed_problem(qc) is None]
+    return next((f for f in formats if f is not None), None)
+
 def _model_type(config) -> str | None:
     return getattr(config, "model_type", None)
 
@@ -101,6 +133,10 @@ def refuse_quantized_checkpoint(config) -> None:
                               "from_pretrained(..., offload_policy=...), which reads the MXFP4 experts per expert, "
                               "or with quantization_config=Mxfp4Config(dequantize=True) before enable()")
         return
+    if checkpoint_packed_format(config) is not None:
+        raise PolicyError("this model's config has a GPTQ/AWQ/compressed-tensors quantization_config: its layers are "
+                          "packed integers, which enable() cannot offload; load it with from_pretrained(path, "
+                          "offload_policy=...), which keeps the experts packed and dequantizes the rest")
     if checkpoint_block_size(config) is None:
         return
     if not all(_qc_get(qc, "dequantize") for qc in _quantization_configs(config)):
