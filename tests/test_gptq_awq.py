@@ -171,9 +171,9 @@ def test_awq_word_order_is_not_the_plain_order():
 
 # -- whole checkpoints -----------------------------------------------------------------------------------------------
 
-def _build(family: str, path) -> str:
+def _build(family: str, path, dtype: torch.dtype = torch.float32) -> str:
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(CONFIGS[family]()).eval()
+    model = AutoModelForCausalLM.from_config(CONFIGS[family]()).to(dtype).eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("gate.weight") and p.shape[0] <= 8:

@@ -103,7 +103,7 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     if bits not in (4, 8):
         raise ValueError(f"packed weights of {bits} bits are not read; supported: 4, 8")
     rows, cols = words.shape
-    raw = words.contiguous().view(torch.uint8).view(rows, cols, 4)
+    raw = words.contiguous().reshape(-1).view(torch.uint8).view(rows, cols, 4)
     if sys.byteorder == "big":
         raw = raw.flip(-1)
     values = torch.stack((raw & 15, raw >> 4), dim=-1).view(rows, cols, 8) if bits == 4 else raw   # [R, C, pack]
