@@ -23,10 +23,12 @@ Example:
 
 from __future__ import annotations
 
+import functools
 import sys
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 # The word order AWQ's GEMM packer writes (output column 8c + AWQ_ORDER[j] in value j of word c), and its inverse.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
@@ -112,7 +114,7 @@ def unpack_int32(words: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
     return values.permute(0, 2, 1).reshape(rows * values.shape[-1], cols)
 
 
-CHUNK_ELEMENTS = 1 << 22          # dequantized this many weights at a time: float32 temporaries stay small
+CHUNK_ELEMENTS = 1 << 21          # dequantized this many weights at a time: float32 temporaries stay small
 
 
 def dequantize(fmt: PackedFormat, tensors: dict[str, torch.Tensor], shape: tuple[int, int]) -> torch.Tensor:
@@ -125,77 +127,104 @@ def dequantize(fmt: PackedFormat, tensors: dict[str, torch.Tensor], shape: tuple
         >>> dequantize(fmt, {"weight_packed": codes, "weight_scale": torch.tensor([[0.5]])}, (1, 8)).tolist()
         [[3.5, 3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0]]
     """
-    out = torch.empty(shape, dtype=_scales(fmt, tensors).dtype, device=_scales(fmt, tensors).device)
+    scales = tensors["weight_scale" if fmt.method == "compressed-tensors" else "scales"]
+    out = torch.empty(shape, dtype=scales.dtype, device=scales.device)
     dequantize_into(fmt, tensors, out)
     return out
 
 
 def dequantize_into(fmt: PackedFormat, tensors: dict[str, torch.Tensor], out: torch.Tensor) -> None:
     """Write the dense weight of one packed linear layer into `out` [out, in] (any float dtype): the reference
-    dequantization in the scales' dtype, then cast to `out.dtype`, a chunk of `CHUNK_ELEMENTS` at a time."""
-    if fmt.method == "compressed-tensors":
-        _compressed_into(fmt, tensors, out)
-    else:
-        _gptq_awq_into(fmt, tensors, out)
+    dequantization in the scales' dtype, then cast to `out.dtype`, `CHUNK_ELEMENTS` weights at a time.
 
-
-def _scales(fmt: PackedFormat, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-    return tensors["weight_scale" if fmt.method == "compressed-tensors" else "scales"]
-
-
-def _scaled(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """(q - zeros) * scales, exact in float32 (small integers times a float of at most 24 bits), rounded once to
-    the scales' dtype: the formats' own arithmetic in that dtype gives these bits."""
-    return ((q.to(torch.float32) - zeros) * scales.to(torch.float32)).to(scales.dtype)
-
-
-def _groups(fmt: PackedFormat, tensors: dict[str, torch.Tensor], start: int, stop: int, device) -> torch.Tensor:
-    """The group of inputs [start, stop): `g_idx` (GPTQ act-order), else k // group_size."""
-    if "g_idx" in tensors:
-        return tensors["g_idx"][start:stop].long()
-    if fmt.group_size == -1:
-        return torch.zeros(stop - start, dtype=torch.long, device=device)
-    return torch.arange(start, stop, device=device) // fmt.group_size
-
-
-def _gptq_awq_into(fmt: PackedFormat, t: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-    """GPTQ: codes [in / pack, out] along in; AWQ: codes [in, out / pack] along out in AWQ's word order. Zeros
-    [G, out / pack] along out (AWQ order for AWQ), plus `zero_offset`."""
-    out_features, in_features = out.shape
-    scales, device = t["scales"], t["scales"].device
-    zeros = unpack_int32(t["qzeros"], fmt.bits, dim=1)[:, :out_features]                  # [G, out]
-    columns = None
+    Every format computes (q - z) * s per weight with q, z small integers (exact in float32) and s a float: the
+    float32 product is exact too, so rounding it once to the scales' dtype gives the bits of the formats' own
+    arithmetic in that dtype."""
     if fmt.method == "awq":
-        order = torch.tensor(AWQ_REVERSE_ORDER, device=device)
-        columns = (torch.arange(out_features, device=device).view(-1, fmt.pack)[:, order]).reshape(-1)
-        zeros = zeros[:, columns]
-    zeros = zeros.to(torch.float32) + fmt.zero_offset
-    step = max(fmt.pack, CHUNK_ELEMENTS // max(out_features, 1) // fmt.pack * fmt.pack)
-    for start in range(0, in_features, step):
-        stop = min(start + step, in_features)
-        if fmt.method == "gptq":
-            q = unpack_int32(t["qweight"][start // fmt.pack:-(-stop // fmt.pack)], fmt.bits, dim=0)[:stop - start]
-        else:
-            q = unpack_int32(t["qweight"][start:stop], fmt.bits, dim=1)[:, columns]          # [chunk, out]
-        group = _groups(fmt, t, start, stop, device)
-        out[:, start:stop].copy_(_scaled(q, zeros[group], scales[group]).T)
-
-
-def _compressed_into(fmt: PackedFormat, t: dict[str, torch.Tensor], out: torch.Tensor) -> None:
-    """compressed-tensors: codes [out, in / pack] along in, stored + 2^(bits-1); zeros [out / pack, G] along out
-    (int8 [out, G] in older checkpoints), absent when symmetric."""
+        _awq_into(fmt, tensors, out)
+        return
     out_features, in_features = out.shape
-    offset = 1 << (fmt.bits - 1)
-    scales, device = t["weight_scale"], t["weight_scale"].device
-    zeros = torch.zeros(out_features, scales.shape[1], device=device)
-    if "weight_zero_point" in t:
-        zp = t["weight_zero_point"]
-        zeros = zp.to(torch.float32) if zp.dtype == torch.int8 else \
-            unpack_int32(zp, fmt.bits, dim=0)[:out_features].to(torch.float32) - offset
-    zeros = zeros + offset                             # (q_stored - offset) - zp = q_stored - (zp + offset)
-    group = _groups(fmt, t, 0, in_features, device)
+    if fmt.method == "gptq":
+        codes = tensors["qweight"].T                                           # [out, in / pack] words
+        zeros = unpack_int32(tensors["qzeros"], fmt.bits, dim=1)[:, :out_features].T.float() + fmt.zero_offset
+        scales = tensors["scales"].T                                           # [out, G]
+    else:
+        codes, scales = tensors["weight_packed"], tensors["weight_scale"]
+        offset = 1 << (fmt.bits - 1)                   # codes stored unsigned: q + 2^(bits-1)
+        zeros = torch.full(scales.shape, float(offset), device=scales.device)
+        if "weight_zero_point" in tensors:             # (q_stored - offset) - zp = q_stored - (zp + offset)
+            zp = tensors["weight_zero_point"]
+            zeros += zp.float() if zp.dtype == torch.int8 else \
+                unpack_int32(zp, fmt.bits, dim=0)[:out_features].float() - offset
+    groups = _group_of_inputs(fmt, tensors, in_features, scales.device)
     step = max(1, CHUNK_ELEMENTS // max(in_features, 1))
     for start in range(0, out_features, step):
-        stop = min(start + step, out_features)
-        q = unpack_int32(t["weight_packed"][start:stop], fmt.bits, dim=1)[:, :in_features]  # [chunk, in]
-        out[start:stop].copy_(_scaled(q, zeros[start:stop][:, group], scales[start:stop][:, group]))
+        rows = slice(start, min(start + step, out_features))
+        q = _float_codes(codes[rows].contiguous(), fmt.bits)[:, :in_features]    # [chunk, in] float32
+        _scale_into(q, zeros[rows], scales[rows], groups, out[rows])
+
+
+def _awq_into(fmt: PackedFormat, t: dict[str, torch.Tensor], out: torch.Tensor) -> None:
+    """AWQ: codes [in, out / pack] and zeros [G, out / pack] packed along out in AWQ's word order; computed per
+    chunk of inputs as [in, out] (the words' orientation) and written transposed."""
+    out_features, in_features = out.shape
+    scales, device = t["scales"], t["scales"].device
+    order = torch.tensor(AWQ_REVERSE_ORDER, device=device)
+    columns = (torch.arange(out_features, device=device).view(-1, fmt.pack)[:, order]).reshape(-1)
+    zeros = unpack_int32(t["qzeros"], fmt.bits, dim=1)[:, columns].float()                # [G, out]
+    size = in_features if fmt.group_size == -1 else fmt.group_size
+    step = max(size, CHUNK_ELEMENTS // max(out_features, 1) // size * size)               # whole groups
+    for start in range(0, in_features, step):
+        stop = min(start + step, in_features)
+        q = _float_codes(t["qweight"][start:stop], fmt.bits)[:, columns]                  # [chunk, out]
+        g = slice(start // size, -(-stop // size))
+        grouped = q.view(-1, size, out_features) if (stop - start) % size == 0 else None
+        if grouped is None:
+            index = torch.arange(start, stop, device=device) // size
+            q.sub_(zeros[index]).mul_(scales[index].float())
+        else:
+            grouped.sub_(zeros[g, None]).mul_(scales[g, None].float())
+        out[:, start:stop].copy_(q.to(scales.dtype).T)
+
+
+def _group_of_inputs(fmt: PackedFormat, tensors: dict[str, torch.Tensor], in_features: int, device
+                     ) -> torch.Tensor | int:
+    """The group of every input: `g_idx` (GPTQ act-order) or k // group_size as an index tensor, or the group size
+    itself when the groups are whole and in order (then scales broadcast over them, no gather)."""
+    if "g_idx" in tensors:
+        return tensors["g_idx"].long()
+    size = in_features if fmt.group_size == -1 else fmt.group_size
+    if in_features % size == 0:
+        return size
+    return torch.arange(in_features, device=device) // size
+
+
+def _scale_into(q: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, groups: torch.Tensor | int,
+                out: torch.Tensor) -> None:
+    """out = ((q - zeros) * scales) rounded to the scales' dtype, then to out's; q [n, in] float32 (overwritten),
+    zeros and scales [n, G]."""
+    if isinstance(groups, int):
+        grouped = q.view(q.shape[0], -1, groups)
+        grouped.sub_(zeros[:, :, None]).mul_(scales[:, :, None].float())
+    else:
+        q.sub_(zeros[:, groups]).mul_(scales[:, groups].float())
+    out.copy_(q if out.dtype == scales.dtype else q.to(scales.dtype))
+
+
+def _float_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [R, C] -> their values as float32 [R, C * pack], value j of a word at column pack * c + j
+    (`unpack_int32` along dim 1): each byte looked up in a table of its two nibbles, one pass."""
+    rows, cols = words.shape
+    raw = words.contiguous().reshape(-1).view(torch.uint8).view(rows, cols, 4)
+    if sys.byteorder == "big":
+        raw = raw.flip(-1)
+    if bits == 8:
+        return raw.reshape(rows, cols * 4).float()
+    return F.embedding(raw.reshape(rows, cols * 4).long(), _nibble_table(words.device)).view(rows, cols * 8)
+
+
+@functools.lru_cache(maxsize=None)
+def _nibble_table(device: torch.device) -> torch.Tensor:
+    """[256, 2] float32: a byte's low and high nibble."""
+    byte = torch.arange(256)
+    return torch.stack((byte & 15, byte >> 4), dim=1).float().to(device)
