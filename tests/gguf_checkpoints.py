@@ -16,8 +16,10 @@ import numpy as np
 import gguf
 from gguf import GGMLQuantizationType as Q
 
-# The fp16 scale fields of each K-quant block (byte offsets), set to finite values.
+# The fp16 scale fields of each K-quant block (byte offsets), set to finite values; Q8_0's, for random blocks
+# written fast (`write_gguf(..., quantize=False)`).
 _K_SCALES = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
+_RANDOM_BLOCKS = {**_K_SCALES, "Q8_0": (0,)}
 
 
 @dataclass(frozen=True)
@@ -37,17 +39,19 @@ class Dims:
     shared_width: int = 0
 
 
-def values(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator, scale: float = 0.05) -> tuple[np.ndarray, Q | None]:
-    """(array to write, raw_dtype for `GGUFWriter.add_tensor`) holding values of `shape` stored as `qtype`."""
+def values(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator, scale: float = 0.05,
+           quantize: bool = True) -> tuple[np.ndarray, Q | None]:
+    """(array to write, raw_dtype for `GGUFWriter.add_tensor`) holding values of `shape` stored as `qtype`; with
+    `quantize=False` a Q8_0 tensor is random blocks too (large files in seconds)."""
     if qtype == Q.F32:
         return (rng.standard_normal(shape) * scale).astype(np.float32), None
     if qtype == Q.F16:
         return (rng.standard_normal(shape) * scale).astype(np.float16), None
-    if qtype.name in _K_SCALES:
+    if qtype.name in (_K_SCALES if quantize else _RANDOM_BLOCKS):
         elements, nbytes = gguf.GGML_QUANT_SIZES[qtype]
         raw = rng.integers(0, 256, size=(*shape[:-1], shape[-1] // elements * nbytes), dtype=np.uint8)
         flat = raw.reshape(-1, nbytes)
-        for offset in _K_SCALES[qtype.name]:
+        for offset in _RANDOM_BLOCKS[qtype.name]:
             flat[:, offset:offset + 2] = (rng.uniform(2e-4, 6e-4, size=(flat.shape[0], 1)).astype(np.float16)
                                           .view(np.uint8))
         return raw, qtype
@@ -63,7 +67,7 @@ ExpertTypes = Callable[[int], tuple[Q, Q, Q]]
 
 
 def write_gguf(path: str, arch: str = "qwen3moe", dims: Dims = Dims(), experts: ExpertTypes = lambda b: (Q.Q8_0,) * 3,
-               other: Q = Q.Q8_0, split_max_tensors: int = 0, seed: int = 0) -> None:
+               other: Q = Q.Q8_0, split_max_tensors: int = 0, seed: int = 0, quantize: bool = True) -> None:
     """Write a random MoE checkpoint of `arch` ("qwen3moe", "qwen2moe", or "llama" with experts: Mixtral's
     layout) to `path`; `experts(block)` gives the (gate, up, down) types of a block, `other` the type of the
     embeddings, output and attention matrices. `split_max_tensors` writes llama.cpp's split files instead."""
@@ -86,7 +90,7 @@ def write_gguf(path: str, arch: str = "qwen3moe", dims: Dims = Dims(), experts: 
     w.add_vocab_size(d.vocab)
 
     def add(name: str, shape: tuple[int, ...], qtype: Q, scale: float = 0.05) -> None:
-        array, raw = values(shape, qtype, rng, scale)
+        array, raw = values(shape, qtype, rng, scale, quantize)
         w.add_tensor(name, array, raw_dtype=raw)
 
     add("token_embd.weight", (d.vocab, d.hidden), other)
