@@ -206,8 +206,8 @@ def _meta_skeleton(model_cls: type, config, kwargs: dict) -> nn.Module:
         return model_cls(config)
 
 def _requested_dtype(kwargs: dict, pieces, config=None) -> torch.dtype:
-    """The dtype the experts will have: the one asked for, else the checkpoint's (transformers' "auto"); FP8 experts
-    are dequantized into the config's dtype (bfloat16 when it names none)."""
+    """The dtype the experts will have: the one asked for, else the checkpoint's (transformers' "auto"); FP8 and
+    packed (GPTQ, AWQ, compressed-tensors) experts compute in the config's dtype (bfloat16 when it names none)."""
     requested = kwargs.get("dtype", kwargs.get("torch_dtype"))
     if isinstance(requested, torch.dtype):
         return requested

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..layout import ExpertPiece, SlabLayout
 from .checkpoint import ByteRange, CheckpointError
 from .packed_checkpoint import PackedSource
-from .packed_int import PackedFormat, dequantize_into
+from .packed_int import CHUNK_ELEMENTS, PackedFormat, dequantize_into
 
 ALIGN = 64                 # each tensor starts on a cache line (and on its own dtype's alignment)
 
@@ -93,7 +93,7 @@ class PackedSlabLayout:
         """The most bytes of temporaries one expert matmul makes: the dense part in the compute dtype, plus the
         float32 temporaries of one dequantized chunk (`packed_int.CHUNK_ELEMENTS`, a few alive at once)."""
         dense = max(shape[0] * shape[1] for _, shape in self.parts) * self.compute_dtype.itemsize
-        return dense + 4 * 4 * min(1 << 22, max(m.shape[0] * m.shape[1] for m in self.matrices))
+        return dense + 4 * 4 * min(CHUNK_ELEMENTS, max(m.shape[0] * m.shape[1] for m in self.matrices))
 
     def store_pieces(self, pieces: list[ExpertPiece]) -> list[ExpertPiece]:
         """What a store reads for the expert located as `pieces`: each packed tensor's bytes into its region
