@@ -42,6 +42,16 @@ class SlabLayout:
             start += n
         return out
 
+    def stacked_views(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views over every row of `slots` [S, >= numel] at once: part `name` as [S, *shape] (zero-copy;
+        rows S apart by the slot stride), the layout of transformers' stacked expert parameters."""
+        out, start = {}, 0
+        for name, shape in self.parts:
+            n = _numel(shape)
+            out[name] = slots[:, start:start + n].view(slots.shape[0], *shape)
+            start += n
+        return out
+
 
 @dataclass(frozen=True)
 class ExpertPiece:

@@ -20,24 +20,33 @@ from transformers.integrations.moe import ExpertsInterface
 
 from ..layout import SlabLayout
 from .base import ExpertFetcher
+from .grouped import can_run_grouped, run_over_slots
 
 EXPERTS_IMPLEMENTATION = "hf_moe_offload"
 
 
-def group_by_expert(expert_of_row: torch.Tensor, num_experts: int) -> dict[int, torch.Tensor]:
-    """Rows grouped per expert: `{expert: its row indices}` for the experts that received any row.
-
-    `expert_of_row` [R] holds an expert per row, or -1 for a row that goes to none (Switch's capacity drops).
-    Exactly one host sync per call: the indices come to the host once and are sorted and counted there (on CUDA,
-    `bincount` alone would sync twice more); the sorted row order goes back to the device in one copy.
-    """
+def routes_on_host(expert_of_row: torch.Tensor) -> torch.Tensor:
+    """`expert_of_row` [R] on the host: the one host sync of an offloaded layer (which experts to fetch is decided
+    there). Refuses inside a CUDA graph capture, where the decision could not change from step to step."""
     if expert_of_row.is_cuda and _capturing(expert_of_row.device):
         raise RuntimeError("hf_moe_offload's offloaded experts cannot be captured in a CUDA graph: which experts "
                            "run is decided on the host at every step. Generate without CUDA graphs (no "
                            "torch.compile(mode='reduce-overhead'), no manual capture; generate_batch: pass "
                            "continuous_batching_config=hf_moe_offload.offload_batching_config(model), which sets "
                            "use_cuda_graph=False)")
-    on_host = expert_of_row.cpu()                                                        # the one host sync
+    return expert_of_row.cpu()
+
+
+def group_by_expert(expert_of_row: torch.Tensor, num_experts: int, on_host: torch.Tensor | None = None
+                    ) -> dict[int, torch.Tensor]:
+    """Rows grouped per expert: `{expert: its row indices}` for the experts that received any row.
+
+    `expert_of_row` [R] holds an expert per row, or -1 for a row that goes to none (Switch's capacity drops);
+    `on_host`: the same on the host, if the caller has it (`routes_on_host`). At most one host sync per call: the
+    indices come to the host once and are sorted and counted there (on CUDA, `bincount` alone would sync twice
+    more); the sorted row order goes back to the device in one copy.
+    """
+    on_host = routes_on_host(expert_of_row) if on_host is None else on_host
     order = torch.argsort(on_host, stable=True).to(expert_of_row.device, non_blocking=True)   # [R], -1 rows first
     counts = torch.bincount(on_host + 1, minlength=num_experts + 1).tolist()             # [1 + E]
     rows, start = {}, counts[0]
@@ -133,8 +142,8 @@ ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 
 def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, routed_to: torch.Tensor,
                        num_experts: int, expert_fn: ExpertFn, *, routing_weights: torch.Tensor | None = None,
-                       out_dtype: torch.dtype | None = None, layer_input: torch.Tensor | None = None
-                       ) -> torch.Tensor:
+                       out_dtype: torch.dtype | None = None, layer_input: torch.Tensor | None = None,
+                       routed_on_host: torch.Tensor | None = None) -> torch.Tensor:
     """The routed-experts loop of every offloaded forward; a family gives only its per-expert math, `expert_fn`.
 
     `hidden_states` [T, H]; `routed_to` [T, k]: the expert of each token's k slots (-1: none). Only experts that
@@ -143,7 +152,8 @@ def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, rout
     grouped_mm, so the order in which experts arrive does not change the numbers; a slot of no expert adds zero.
     The sum is kept in `out_dtype` (default: `hidden_states` and `routing_weights` promoted); the result [T, H] is
     in `hidden_states.dtype`. `layer_input` is what the runtime's hooks see as the layer's input (default
-    `hidden_states`). Backward through the result raises (`_NoBackwardThroughOffloadedExperts`).
+    `hidden_states`); `routed_on_host`: `routed_to` already on the host, if the caller has it. Backward through the
+    result raises (`_NoBackwardThroughOffloadedExperts`).
 
     Example:
         >>> out = run_routed_experts(runtime, x, top_k_index, num_experts,                      # doctest: +SKIP
@@ -152,7 +162,8 @@ def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, rout
     """
     num_tokens, hidden = hidden_states.shape                      # [T, H]
     k = routed_to.shape[-1]
-    rows_of = group_by_expert(routed_to.reshape(-1), num_experts)   # {expert: its (token, slot) rows [n]}
+    rows_of = group_by_expert(routed_to.reshape(-1), num_experts,   # {expert: its (token, slot) rows [n]}
+                              None if routed_on_host is None else routed_on_host.reshape(-1))
     row_weights = None if routing_weights is None else routing_weights.reshape(-1)   # [T*k]
     if out_dtype is None:
         out_dtype = hidden_states.dtype if row_weights is None else torch.promote_types(hidden_states.dtype,
@@ -194,8 +205,17 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
         def expert_fn(x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
             return project(self.act_fn(project(x, w["up"])), w["down"])                # [n, I] -> [n, H]
 
+    routed = None
+    if can_run_grouped(self, runtime, hidden_states):
+        routed = routes_on_host(top_k_index)                                             # [T, k]
+        experts = torch.unique(routed).tolist()                                          # sorted, on the host
+        if experts and experts[0] >= 0:
+            with _expert_compute():
+                out = run_over_slots(self, runtime, hidden_states, top_k_index, top_k_weights, experts)
+            if out is not None:
+                return _refuse_backward(out, hidden_states)
     return run_routed_experts(runtime, hidden_states, top_k_index, self.num_experts, expert_fn,
-                              routing_weights=top_k_weights)
+                              routing_weights=top_k_weights, routed_on_host=routed)
 
 
 ExpertsInterface.register(EXPERTS_IMPLEMENTATION, offloaded_experts_forward)

@@ -462,6 +462,32 @@ class _LayerFetch:
         return issued[start]
 
 
+def fetch_landed(cache: ExpertCache, layer: int, experts: Sequence[int],
+                 on_pinned: Callable[[], None] | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+    """A fetch of a layer whose experts have all landed in slots: yields once (the slot of each expert, the slot
+    memory [slots, slot_numel]) for one grouped computation over the slots, and drops the pins when resumed (the
+    consumer's kernels are queued by then, so each slot's release follows them). Yields nothing, and records
+    nothing, when an expert is missing or still loading, or the cache serves in place: then `fetch` serves it."""
+    if cache.zero_copy:
+        return
+    with cache.lock:
+        resident = cache.table.resident
+        if any(resident.get((layer, e)) is None or resident[(layer, e)].load is not None for e in experts):
+            return
+        fetch = _LayerFetch(cache, layer, experts, None)
+        try:
+            fetch.top_up(served=0)               # the read-ahead for later layers starts now, as in `fetch`
+            if on_pinned is not None:
+                on_pinned()
+            slots = [resident[(layer, e)] for e in experts]
+            for slot in slots:
+                cache.order.order_read(slot)     # landed, maybe for another stream
+            yield [slot.index for slot in slots], cache.memory
+        finally:
+            for key in list(fetch.pinned):
+                cache._unpin(key, fetch.pinned)
+
+
 def _serve_in_place(cache: ExpertCache, layer: int, experts: Sequence[int],
                     on_pinned: Callable[[], None] | None) -> Iterator[tuple[int, torch.Tensor]]:
     """Zero-copy: every expert is a hit, served from the store's own host slab."""

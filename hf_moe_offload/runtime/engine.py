@@ -19,8 +19,8 @@ from torch import nn
 
 from ..arch import MoEArch
 from ..hooks import HookHandle, LayerHook
-from ..layout import MoELayer
-from ..memory.cache import ExpertCache
+from ..layout import MoELayer, SlabLayout
+from ..memory.cache import ExpertCache, fetch_landed
 from ..memory.cache_group import CacheGroup, DevicePlan, build_cache_group
 from ..policy.offload_policy import OffloadPolicy, PolicyError
 from ..stats import OffloadStats, StatsSnapshot
@@ -44,6 +44,40 @@ class LayerRuntime:
         """Yield (expert, named weight views on the device, or in host memory for an expert computed on the CPU),
         resident experts first; close it when done early. `hidden_states` [tokens, hidden] is the layer's input,
         shown to the hooks (read-ahead uses it); `tokens[i]`: rows routed to `experts[i]` (expert_compute="auto")."""
+        on_pinned = self._announce(experts, hidden_states)
+        layout = self.engine.store.layouts[self.layer.index]   # the store's: quantized slabs give `QuantizedWeight`s
+        micro_batch = microbatch.current()
+        hold = micro_batch is not None and not micro_batch.last   # later micro-batches of this layer reuse them
+        for expert, slab in self.engine.cache.fetch(self.layer.index, experts, on_pinned, tokens, hold):
+            yield expert, layout.views(slab)
+        self._finish()
+
+    def fetch_landed(self, experts: Sequence[int], hidden_states: torch.Tensor | None = None
+                     ) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+        """For a layer whose experts have all landed in the cache's dense slots: yield once (each expert's slot,
+        every slot's weights stacked by name, [slots, *shape]) for one grouped computation. Yields nothing, and
+        records nothing, otherwise (an expert to load or compute on the CPU, quantized slabs, a micro-batch that
+        holds its experts): then `fetch` serves the layer."""
+        index = self.layer.index
+        cache = self.engine.cache
+        cache = cache.by_layer[index] if isinstance(cache, CacheGroup) else cache
+        layout = self.engine.store.layouts[index]
+        micro_batch = microbatch.current()
+        if cache.zero_copy or not isinstance(layout, SlabLayout) or (
+                micro_batch is not None and not micro_batch.last):
+            return
+        with cache.lock:                         # re-entrant: `fetch_landed` below checks again under it
+            if not all((index, e) in cache.table.resident and cache.table.resident[(index, e)].load is None
+                       for e in experts):
+                return
+            on_pinned = self._announce(experts, hidden_states)
+            for slots, memory in fetch_landed(cache, index, experts, on_pinned):
+                yield slots, layout.stacked_views(memory[:, :layout.numel])
+        self._finish()
+
+    def _announce(self, experts: Sequence[int], hidden_states: torch.Tensor | None) -> Callable[[], None] | None:
+        """Count the layer's forward and tell the hooks its input and route; the `on_pinned` callback to give the
+        cache (None without hooks)."""
         index, hooks = self.layer.index, self.engine.hooks
         self.engine.stats.record_forward(index, experts)
         if hidden_states is not None:
@@ -55,14 +89,11 @@ class LayerRuntime:
         def on_pinned() -> None:
             for hook in hooks:
                 hook.on_pinned(index)
+        return on_pinned if hooks else None
 
-        layout = self.engine.store.layouts[index]     # the store's: quantized slabs give `QuantizedWeight`s
-        micro_batch = microbatch.current()
-        hold = micro_batch is not None and not micro_batch.last   # later micro-batches of this layer reuse them
-        for expert, slab in self.engine.cache.fetch(index, experts, on_pinned if hooks else None, tokens, hold):
-            yield expert, layout.views(slab)
-        for hook in hooks:
-            hook.on_layer_done(index)
+    def _finish(self) -> None:
+        for hook in self.engine.hooks:
+            hook.on_layer_done(self.layer.index)
 
 
 class OffloadEngine:
