@@ -63,16 +63,20 @@ class LayerRuntime:
         cache = cache.by_layer[index] if isinstance(cache, CacheGroup) else cache
         layout = self.engine.store.layouts[index]
         micro_batch = microbatch.current()
-        if cache.zero_copy or not isinstance(layout, SlabLayout) or (
+        if cache.zero_copy or cache.memory.dim() != 2 or not isinstance(layout, SlabLayout) or (
                 micro_batch is not None and not micro_batch.last):
+            return
+        stacked = layout.stacked_views(cache.memory[:, :layout.numel])
+        # Grouped kernels read each weight from a 16-byte aligned start, at a 16-byte multiple stride.
+        if any(w.data_ptr() % 16 or w.stride(0) * w.element_size() % 16 for w in stacked.values()):
             return
         with cache.lock:                         # re-entrant: `fetch_landed` below checks again under it
             if not all((index, e) in cache.table.resident and cache.table.resident[(index, e)].load is None
                        for e in experts):
                 return
             on_pinned = self._announce(experts, hidden_states)
-            for slots, memory in fetch_landed(cache, index, experts, on_pinned):
-                yield slots, layout.stacked_views(memory[:, :layout.numel])
+            for slots, _ in fetch_landed(cache, index, experts, on_pinned):
+                yield slots, stacked
         self._finish()
 
     def _announce(self, experts: Sequence[int], hidden_states: torch.Tensor | None) -> Callable[[], None] | None:
