@@ -207,3 +207,15 @@ def test_disable_gives_back_transformers_weights(folder, reference):
     ref = reference("tiny-Q5_K_M.gguf")
     for (name, p), (ref_name, q) in zip(model.state_dict().items(), ref.state_dict().items()):
         assert name == ref_name and torch.equal(p, q), name
+
+
+def test_the_server_loads_a_gguf_file_offloaded(folder, reference):
+    """`hf-moe-offload serve DIR:file.gguf`: the server's load step offloads the GGUF model (transformers reads the
+    tokenizer out of the file itself); same tokens as transformers' own load of the file."""
+    from hf_moe_offload import OffloadPolicy
+    from hf_moe_offload.serving.manager import OffloadModelManager
+
+    manager = OffloadModelManager(device="cpu", policy=OffloadPolicy(**POLICY))
+    model = manager._load_model(folder, gguf_file="tiny-Q8_0.gguf")
+    assert hf_moe_offload.get_engine(model) is not None
+    assert torch.equal(_generate(model), _generate(reference("tiny-Q8_0.gguf")))

@@ -39,9 +39,6 @@ class OffloadModelManager(ModelManager):
 
     def _load_model(self, model_id_and_revision: str, tqdm_class: type | None = None,
                     progress_callback: Callable | None = None, gguf_file: str | None = None) -> PreTrainedModel:
-        if gguf_file is not None:
-            raise UsageError(f"{model_id_and_revision}:{gguf_file}: GGUF weights cannot be offloaded; serve a "
-                             f"safetensors checkpoint")
         if self.quantization is not None:
             raise UsageError("transformers' --quantization does not apply to an offloaded model; use the policy's "
                              "--quantize instead")
@@ -49,9 +46,12 @@ class OffloadModelManager(ModelManager):
         if progress_callback is not None:
             progress_callback({"status": "loading", "model": model_id_and_revision, "stage": "model"})
         # No device_map: the policy's device places the non-expert part, and the experts stay where it says.
+        # A GGUF file (`MODEL:file.gguf`) is offloaded with its experts kept in their GGUF blocks; transformers
+        # reads the tokenizer out of the same file (`_load_processor`).
         model = from_pretrained(model_id, self.policy, revision=revision, dtype=self.dtype,
                                 attn_implementation=self.attn_implementation,
-                                trust_remote_code=self.trust_remote_code)
+                                trust_remote_code=self.trust_remote_code,
+                                **({"gguf_file": gguf_file} if gguf_file is not None else {}))
         model.eval()
         # generate_batch without a config of its own (the server passes none) starts from the --cb-* fields.
         get_engine(model).batching_overrides = dict(self.cb_overrides)
