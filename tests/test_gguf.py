@@ -2,8 +2,8 @@
 llama.cpp's layout by the `gguf` package (tests/gguf_checkpoints.py).
 
 What users rely on: the same logits and greedy tokens as transformers' own `from_pretrained(dir, gguf_file=...)`
-(unpatched, every tensor dequantized); experts bit-identical to `gguf.quants.dequantize`; the store and the cache
-holding the quantized blocks (bytes per expert = the file's bytes per expert); split files; unsupported block types
+(unpatched, every tensor dequantized); experts bit-identical to `gguf.quants.dequantize`; the store holding the
+quantized blocks (bytes per expert = the file's bytes per expert), a CPU cache the dequantized experts; split files; unsupported block types
 and architectures refused by name before anything is loaded.
 """
 
@@ -126,18 +126,18 @@ def test_experts_are_gguf_dequantized_bit_for_bit(folder):
         assert torch.equal(state[f"model.layers.{b}.mlp.experts.down_proj"], tensors[f"blk.{b}.ffn_down_exps.weight"])
 
 
-def test_store_and_cache_hold_the_quantized_blocks(folder):
+def test_store_holds_the_quantized_blocks_and_the_cpu_cache_dense_slabs(folder):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny-Q4_K_M.gguf", offload_policy=POLICY)
     engine = hf_moe_offload.get_engine(model)
     reader = gguf.GGUFReader(os.path.join(folder, "tiny-Q4_K_M.gguf"))
     nbytes = {t.name: int(t.n_bytes) for t in reader.tensors}
     experts = Dims().experts
-    for b, layout in enumerate(engine.store.layouts):
+    for b, layout in enumerate(engine.store.quantized_layouts):
         per_expert = sum(nbytes[f"blk.{b}.ffn_{p}_exps.weight"] for p in ("gate", "up", "down")) // experts
         assert engine.store.slab_bytes(b) == per_expert            # the file's bytes, not the dense weights'
         assert layout.block_types == {"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K" if b % 2 == 0 else "Q4_K"}
     assert engine.store.total_bytes == sum(n for k, n in nbytes.items() if "_exps" in k)
-    assert engine.cache.memory.dtype == torch.uint8
+    assert engine.cache.memory.dtype == model.dtype        # dequantized as each expert enters its slot
     hf_moe_offload.stats(model).reset()
     _logits(model, IDS[:1, :1])
     s = hf_moe_offload.stats(model)
@@ -151,7 +151,7 @@ def test_split_files_load_like_the_single_file(folder, reference):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=files[0], offload_policy=POLICY)
     ref = reference("tiny-Q4_K_M.gguf")
     _assert_same_logits(model, ref)
-    assert len(hf_moe_offload.get_engine(model).store.files) > 1
+    assert len(hf_moe_offload.get_engine(model).store.inner.files) > 1     # the disk store behind the dense cache
 
 
 def test_missing_split_file_is_named(folder, tmp_path):

@@ -5,9 +5,9 @@ transformers loads the rest of the model itself: its GGUF config, its tensor nam
 dequantization and the cast to the model dtype. Only its tensor loop is replaced for this one call
 (`_non_expert_state_dict`, which also reads llama.cpp's split files): the merged expert tensors
 (`blk.N.ffn_{gate,up,down}_exps`) are left unread and the experts' parameters stay on "meta". Each expert's blocks
-are then read from the file per expert into the store (quantized bytes, `GGUFSlabLayout`), kept so in the cache,
-and dequantized into the model dtype when the expert computes: the values of transformers' own GGUF load, bit for
-bit. Every check (policy, architecture, block types, split files present) runs before anything is allocated.
+are then read from the file per expert into the store (quantized bytes, `GGUFSlabLayout`) and dequantized into the
+model dtype as they enter a CPU cache's dense slots (`DequantizingStore`), or kept so in a CUDA cache and
+dequantized when the expert computes: the values of transformers' own GGUF load, bit for bit. Every check (policy, architecture, block types, split files present) runs before anything is allocated.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from ..arch import MoELayer, get_arch
 from ..layout import ExpertPiece
 from ..policy.offload_policy import OffloadPolicy, PolicyError
 from ..storage.checkpoint import CheckpointError
+from ..storage.dequantizing_store import dense_store_for
 from ..storage.gguf_blocks import supported_names
 from ..storage.gguf_file import GGUFIndex, is_expert_tensor
 from ..storage.gguf_layout import GGUFSlabLayout
@@ -84,9 +85,10 @@ def load_gguf_offloaded(model_cls: type, pretrained_model_name_or_path: str, pol
                                          gguf_file=gguf_file, device_map=placement.module_map, **kwargs)
     layers = arch.find_layers(model)
     store = DiskStore(layers, pieces, model.dtype, layouts=[_with_dtype(lay, model.dtype) for lay in layouts])
+    device = torch.device(placement.resolved.policy.device)
     if placement.resolved.policy.store == "cpu":
-        store = CpuStore.from_reader(store, device=torch.device(placement.resolved.policy.device))
-    engine = _attach(model, arch, layers, store, placement)
+        store = CpuStore.from_reader(store, device=device)
+    engine = _attach(model, arch, layers, dense_store_for(store, device), placement)
     return finish_offloading(model, engine, placement.resolved, predictor)
 
 

@@ -25,11 +25,12 @@ from ..arch.forward import EXPERTS_IMPLEMENTATION
 from ..layout import ExpertPiece
 from ..memory.cache_group import DevicePlan
 from ..planning.device_map import module_map, plan_devices
-from ..planning.footprint import footprint
+from ..planning.footprint import auto_device, footprint
 from ..planning.resolve import ResolvedPolicy, resolve
-from ..policy.offload_policy import OffloadPolicy, PolicyError
+from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError, normalize_device
 from ..runtime.engine import OffloadEngine
 from ..storage.checkpoint import CheckpointIndex, resolve_checkpoint_dir
+from ..storage.dequantizing_store import dense_slots_on
 from ..storage.packed_checkpoint import PackedCheckpointIndex, PackedSource
 from ..storage.store import CpuStore, DiskStore, ExpertStore, dense_expert
 from .experts_store import policy_quantized_layouts, quantized_store
@@ -137,8 +138,11 @@ def _offload_kwargs(policy: OffloadPolicy, kwargs: dict) -> tuple[Any, Any, Any]
 def _place(policy: OffloadPolicy, skeleton: nn.Module, layers: list[MoELayer], dtype: torch.dtype, user_map: Any,
            max_memory: Any, quantized: list | None = None) -> _Placement:
     """Resolve the policy for this model's footprint, and where transformers loads each module. `quantized`: the
-    slab layouts of experts the checkpoint stores quantized (GGUF blocks), else the policy's own quantization."""
-    fp = footprint(skeleton, layers, dtype, quantized or policy_quantized_layouts(policy, layers, dtype))
+    slab layouts of experts the checkpoint stores quantized (GGUF blocks), else the policy's own quantization; a
+    CPU cache holds the checkpoint's experts dequantized (`dense_slots_on`), so its budget counts dense slabs."""
+    device = auto_device() if policy.device == AUTO else normalize_device(policy.device)
+    dense = quantized is not None and dense_slots_on(device)
+    fp = footprint(skeleton, layers, dtype, quantized or policy_quantized_layouts(policy, layers, dtype), dense)
     if user_map is None:
         resolved = resolve(policy, fp)
         return _Placement(resolved, _device_map(skeleton, layers, torch.device(resolved.policy.device)), None)

@@ -6,7 +6,8 @@ checkpoint it reads is rewritten on the fly (`packed_layers_dense`): each packed
 projections, shared experts, ...) becomes its dense `<module>.weight`, dequantized by the format's reference
 arithmetic (`storage.packed_int`) in the scales' dtype and cast by transformers to the model dtype; each packed
 expert layer becomes a meta placeholder of its dense shape, which the experts' "meta" placement leaves unread. The
-experts are then read per expert, packed, by a `PackedSlabLayout` store and dequantized where they compute.
+experts are then read per expert, packed, by a `PackedSlabLayout` store, and dequantized as they enter a CPU cache's
+dense slots, or where they compute on CUDA.
 
 Example:
     >>> with packed_layers_dense(index, expert_modules(pieces)):          # doctest: +SKIP
@@ -26,6 +27,7 @@ import transformers.modeling_utils as modeling_utils
 
 from ..layout import ExpertPiece, MoELayer
 from ..policy.offload_policy import OffloadPolicy, PolicyError
+from ..storage.dequantizing_store import dense_store_for
 from ..storage.packed_checkpoint import PackedCheckpointIndex, PackedSource, read_packed
 from ..storage.packed_int import dequantize
 from ..storage.packed_layout import PackedSlabLayout
@@ -73,11 +75,12 @@ def packed_layouts(layers: list[MoELayer], pieces: list[list[list[ExpertPiece]]]
 
 def packed_store(policy: OffloadPolicy, layers: list[MoELayer], pieces: list[list[list[ExpertPiece]]],
                  layouts: list[PackedSlabLayout]) -> ExpertStore:
-    """The experts' store, packed: read per expert from the checkpoint (disk), or copied into host memory."""
-    dtype = layouts[0].compute_dtype
+    """The experts' store, packed: read per expert from the checkpoint (disk), or copied into host memory; seen
+    dense by a CPU cache (dequantized as each expert enters a slot, `dense_store_for`)."""
+    dtype, device = layouts[0].compute_dtype, torch.device(policy.device)
     reads = [[layouts[lay.index].store_pieces(expert) for expert in pieces[lay.index]] for lay in layers]
     reader = DiskStore(layers, reads, dtype, layouts=layouts)
-    return CpuStore.from_reader(reader, device=torch.device(policy.device)) if policy.store == "cpu" else reader
+    return dense_store_for(CpuStore.from_reader(reader, device=device) if policy.store == "cpu" else reader, device)
 
 
 @contextlib.contextmanager

@@ -66,6 +66,12 @@ class Footprint:
     cpu_attention_refusal: str | None = None
     # Quantized experts on CUDA: the largest temporaries one expert's matmul makes (`dequant_workspace_bytes`).
     dequant_workspace_bytes: int = 0
+    # A store smaller than the cache's slabs (a checkpoint's quantized experts, dequantized into dense slots): its
+    # bytes of all experts (what store="auto" weighs); 0 when the store holds the slabs as the cache does.
+    store_bytes: int = 0
+    # False when a host store on the CPU device is still copied into the cache's slots (they hold the experts
+    # dequantized), so expert_cache bounds them; True: such a store is served in place.
+    host_store_in_place: bool = True
 
     @property
     def min_cache_bytes(self) -> int:
@@ -262,21 +268,24 @@ def headroom_bytes(device: torch.device, fp: Footprint, batch: int, seq_len: int
 
 
 def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
-              quantized: list[QuantizedSlabLayout] | None = None) -> Footprint:
+              quantized: list[QuantizedSlabLayout] | None = None, dense_slots: bool = False) -> Footprint:
     """Byte sizes of the model at `dtype` (works on a meta skeleton: only shapes are read); with `quantized`
-    layouts, experts count as stored quantized (so expert_cache="25%" is a quarter of the quantized bytes)."""
+    layouts, experts count as stored quantized (so expert_cache="25%" is a quarter of the quantized bytes). With
+    `dense_slots` too, only the store is quantized: the cache holds dense slabs, so the cache's sizes (the slot,
+    "25%", "auto") are the dense ones and `store_bytes` the quantized ones."""
     expert_ids = {id(p) for lay in layers for p in lay.module.parameters()}
     resident = sum(p.numel() for p in model.parameters() if id(p) not in expert_ids) * dtype.itemsize
-    if quantized is not None:
-        slab = max(lay.numel for lay in quantized)
-        experts = sum(q.numel * lay.num_experts for q, lay in zip(quantized, layers))
+    stored = sum(q.numel * lay.num_experts for q, lay in zip(quantized, layers)) if quantized else 0
+    if quantized is not None and not dense_slots:
+        slab, experts = max(lay.numel for lay in quantized), stored
     else:
         slab = max(lay.layout.numel for lay in layers) * dtype.itemsize
         experts = sum(lay.layout.numel * lay.num_experts for lay in layers) * dtype.itemsize
-    workspace = max(q.dequant_workspace_bytes for q in quantized) if quantized else 0
+    workspace = max(q.dequant_workspace_bytes for q in quantized) if quantized and not dense_slots else 0
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k,
                      layer_experts=tuple(lay.num_experts for lay in layers), **sequence_costs(model.config, dtype),
-                     cpu_attention_refusal=_cpu_attention_refusal(model), dequant_workspace_bytes=workspace)
+                     cpu_attention_refusal=_cpu_attention_refusal(model), dequant_workspace_bytes=workspace,
+                     store_bytes=stored if dense_slots else 0, host_store_in_place=not (quantized and dense_slots))
 
 
 def _cpu_attention_refusal(model: nn.Module) -> str | None:

@@ -65,12 +65,14 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     device = auto_device() if policy.device == AUTO else normalize_device(policy.device)
     store, why_store = _store(policy, device, fp)
     batch, seq_len = workload(policy, fp)
-    zero_copy = device.type == "cpu" and store == "cpu"
+    zero_copy = device.type == "cpu" and store == "cpu" and fp.host_store_in_place
     given = None if policy.expert_cache == AUTO else _given_cache(policy.expert_cache, fp, zero_copy)
     attention = _attention(policy, device, fp, batch, seq_len, given)
     if given is None:
         cache = fp.expert_bytes if zero_copy else _auto_cache(device, fp, batch, seq_len,
                                                               kv_on_device=attention != "cpu")
+        if device.type == "cpu" and store == "cpu" and not zero_copy:   # the host store shares the memory
+            cache = max(0, cache - fp.store_bytes)
     else:
         cache = given
     cache = min(cache, fp.expert_bytes)
@@ -152,7 +154,7 @@ def _store(policy: OffloadPolicy, device: torch.device, fp: Footprint) -> tuple[
         return "disk", (f" (expert_cache={_short(policy.expert_cache)} given for the CPU device: experts in host "
                         f"memory would be used in place and the budget ignored; the disk store keeps it)")
     available = available_host_bytes() * (1 - HOST_HEADROOM)
-    return auto_store(fp.expert_bytes, fp.resident_bytes, device.type == "cpu", available), ""
+    return auto_store(fp.store_bytes or fp.expert_bytes, fp.resident_bytes, device.type == "cpu", available), ""
 
 
 def _given_cache(expert_cache: int | str, fp: Footprint, zero_copy: bool) -> int:

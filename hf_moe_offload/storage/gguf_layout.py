@@ -105,6 +105,12 @@ class GGUFSlabLayout:
         """Dense parts [N, K] in the compute dtype."""
         return {name: w.dequantize() for name, w in self.views(slab).items()}
 
+    def dequantize_into(self, slab: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        """Write the dense parts into `out` (part name -> [N, K] tensor of the compute dtype): the values of
+        `dequantize`, without a temporary per part."""
+        for name, w in self.views(slab).items():
+            w.dequantize(out=out[name])
+
 
 class GGUFWeight:
     """A dense part [N, K] over GGUF blocks in slab memory; `linear(x)` = `F.linear(x, dequantized weight)`."""
@@ -118,9 +124,10 @@ class GGUFWeight:
     def device(self) -> torch.device:
         return self.segments[0][1].device
 
-    def dequantize(self) -> torch.Tensor:
-        """The dense weight [N, K] in the compute dtype (each segment's rows dequantized into their place)."""
-        out = torch.empty(self.shape, dtype=self.dtype, device=self.device)
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense weight [N, K] in the compute dtype (each segment's rows dequantized into their place), written
+        into `out` when given (contiguous, of that shape and dtype)."""
+        out = torch.empty(self.shape, dtype=self.dtype, device=self.device) if out is None else out
         for s, raw in self.segments:
             dequantize_rows(raw, s.kind.type_id, s.rows, s.cols, self.dtype, out=out[s.row:s.row + s.rows])
         return out

@@ -132,6 +132,12 @@ class PackedSlabLayout:
         """Dense parts in the compute dtype: the checkpoint's dequantized weights."""
         return {name: w.dequantize() for name, w in self.views(slab).items()}
 
+    def dequantize_into(self, slab: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        """Write the dense parts into `out` (part name -> [N, K] tensor of the compute dtype): the values of
+        `dequantize`, without a temporary per part."""
+        for name, w in self.views(slab).items():
+            w.dequantize(out=out[name])
+
 
 class PackedWeight:
     """One dense part [N, K] over packed slab memory; `linear(x)` = `F.linear(x, dequantized weight)`."""
@@ -148,10 +154,10 @@ class PackedWeight:
     def shape(self) -> torch.Size:
         return self._shape
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The dense weight [N, K] in the compute dtype: each layer dequantized in its scales' dtype (the reference),
-        then cast."""
-        out = torch.empty(self._shape, dtype=self.dtype, device=self.device)
+        then cast; written into `out` when given (contiguous, of that shape and dtype)."""
+        out = torch.empty(self._shape, dtype=self.dtype, device=self.device) if out is None else out
         for matrix, tensors in self.matrices:
             dequantize_into(self.format, tensors, out[matrix.row:matrix.row + matrix.shape[0]])
         return out
