@@ -240,3 +240,20 @@ def test_a_prefill_with_many_rows_per_expert_streams_exactly_within_its_window(t
     assert torch.equal(model.generate(ids, **kwargs), expected)
     assert set(windows) == {planner.window} and hf_moe_offload.stats(model)["repeat_reads"] == 0
     assert hf_moe_offload.stats(model)["peak_cache_bytes"] <= engine.policy.expert_cache
+
+
+def test_a_streamed_pass_reads_the_next_passs_first_layer_before_it_ends(tiny_models):
+    """Nothing else reads the first MoE layer ahead (look-ahead reads the next layer of the same pass): its
+    prefetch hits come from the read issued as a streamed pass ends, while the head and sampling run."""
+    ids, mask = token_inputs(8, 10, seed=5, left_pad=True)
+    kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    expected = reference("mixtral", tiny_models["mixtral"]).generate(ids, **kwargs)
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%",
+                      schedule="stream")
+    assert torch.equal(model.generate(ids, **kwargs), expected)
+    snap = hf_moe_offload.stats(model)
+    first = snap["per_layer"][0]
+    assert first["prefetch_issued"] > 0 and first["prefetch_hits"] > 0
+    assert snap["repeat_reads"] == 0
+    slab = hf_moe_offload.get_engine(model).store.slab_bytes(0)
+    assert snap["bytes_to_device"] == (snap["misses"] + snap["prefetch_issued"]) * slab

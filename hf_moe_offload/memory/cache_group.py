@@ -116,6 +116,11 @@ class CacheGroup:
             for cache in self.caches.values():
                 cache.begin_pass(window, ahead_room)
 
+    def issue_read_ahead(self) -> None:
+        """Start every cache's queued read-ahead now (no layer of theirs is loading: between passes)."""
+        for cache in self.caches.values():
+            cache.issue_read_ahead()
+
     def read_ahead(self, layer: int, experts: Sequence[int]) -> None:
         target = self.by_layer[layer]
         target.read_ahead(layer, experts)

@@ -54,6 +54,8 @@ class PassState(threading.local):
         self.streaming = False
         self.reading = False                  # on demand: read the next layer's guesses ahead
         self.timing: tuple[str, int, float] | None = None   # (schedule, tokens, start) until the pass ends
+        self.first_layer: int | None = None   # the pass's first MoE layer, and the experts its router chose there
+        self.first_route: list[int] = []
 
 
 class PassScheduler(LayerHook):
@@ -84,6 +86,11 @@ class PassScheduler(LayerHook):
 
     def on_route(self, layer: int, experts: Sequence[int]) -> None:
         self.lookahead.on_route(layer, experts)
+        state = self._local
+        if layer == state.first_layer and state.streaming:
+            micro_batch = microbatch.current()
+            earlier = state.first_route if micro_batch is not None and micro_batch.index > 0 else []
+            state.first_route = earlier + [e for e in experts if e not in earlier]
 
     def _begin_pass(self, layer: int, tokens: int) -> None:
         moe = self.layers[layer].layer
@@ -93,6 +100,7 @@ class PassScheduler(LayerHook):
             streaming = self.schedule == "stream"
         state = self._local
         state.streaming = streaming
+        state.first_layer, state.first_route = layer, []
         if self._settle:
             self.cache.settle_stalls(block=False)
         state.reading = self.lookahead.begin_pass(moe.index, streaming)   # once per pass: room and reads agree
@@ -113,3 +121,15 @@ class PassScheduler(LayerHook):
             schedule, tokens, start = timing
             self.counters.record_pass_time(schedule, tokens, time.perf_counter() - start)
             self._local.timing = None
+            self._read_next_pass_ahead()
+
+    def _read_next_pass_ahead(self) -> None:
+        """A streamed pass is done with its experts: read the first layer's experts of the next pass now, while the
+        head, sampling and the first attention run and the disk would idle. The experts this pass routed there are
+        the guess (a wide pass touches most of a layer's experts, and the next step's batch is mostly the same
+        sequences); the stream window bounds it, and a wrong guess costs only that idle disk time."""
+        state = self._local
+        if state.streaming and state.first_layer is not None and state.first_route:
+            self.cache.begin_pass(self.window)   # these reads are the next pass's (not this one's repeat reads)
+            self.cache.read_ahead(state.first_layer, state.first_route)
+            self.cache.issue_read_ahead()
