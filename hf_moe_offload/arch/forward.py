@@ -19,6 +19,7 @@ from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
 from ..layout import SlabLayout
+from ..memory import cpu_kernels
 from .base import ExpertFetcher
 from .grouped import can_run_grouped, run_over_slots
 
@@ -64,10 +65,11 @@ def _capturing(device: torch.device) -> bool:
 
 
 def expert_linear(x: torch.Tensor, weight) -> torch.Tensor:
-    """`F.linear(x, weight)` for a dense weight; a quantized weight (`hf_moe_offload.storage.quantize`) runs its own
+    """`F.linear(x, weight)` for a dense weight (bfloat16 weights of a CPU store through their prepacked oneDNN
+    copy, `memory.cpu_kernels`: same bits); a quantized weight (`hf_moe_offload.storage.quantize`) runs its own
     matmul (or dequantizes) where it lives."""
     if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight)
+        return cpu_kernels.linear(x, weight)
     return weight.linear(x)
 
 

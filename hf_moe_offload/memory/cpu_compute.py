@@ -4,6 +4,10 @@ is computed where its weights are, so only its tokens move.
 Instead of a device slot, `fetch` then yields the expert's host slab: the CPU store's own copy, or a disk read into
 one of `HOST_BUFFERS` reusable host buffers. "cpu" does so for every expert that is not resident, "auto" when the
 measured CPU time beats the measured copy.
+
+A dense bfloat16 store in host memory whose experts compute on the CPU (served in place, or `expert_compute` other
+than "device") registers its slabs for prepacked oneDNN weights (`cpu_kernels.PrepackedWeights`), counted in the
+stats as `prepacked_bytes`.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from .cpu_kernels import PrepackedWeights
 from .eviction import Key
 from .placement import ExpertPlacement
 from ..stats import OffloadStats
@@ -36,6 +41,9 @@ class CpuCompute:
         self.mode = mode                               # the cache's `expert_compute`
         self.slot_numel = slot_numel
         self.host_buffers: list[torch.Tensor] = []     # made on first use
+        # `copy` is None when the cache serves the store in place: every expert computes on the CPU from its slab.
+        self.prepacked = PrepackedWeights.for_store(store) if copy is None or mode != "device" else None
+        stats.prepacked = self.prepacked
 
     def chooses(self, key: Key, tokens: int, holding: bool) -> bool:
         """Whether missing expert `key` with `tokens` tokens computes on the CPU instead of being copied;
@@ -100,6 +108,8 @@ class CpuCompute:
 
     def close(self) -> None:
         self.host_buffers.clear()
+        if self.prepacked is not None:
+            self.prepacked.close()
 
     def _buffers(self) -> list[torch.Tensor]:
         if not self.host_buffers:

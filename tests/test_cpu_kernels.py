@@ -1,0 +1,117 @@
+"""Prepacked oneDNN weights for bfloat16 experts computed on the CPU (`memory.cpu_kernels`): the same bits as
+`F.linear`, only for memory that is registered, within the budget, built once, gone after `disable()`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import hf_moe_offload
+from conftest import build_tiny, forward_logits, offloaded, reference, token_inputs
+from hf_moe_offload.memory import cpu_kernels
+from hf_moe_offload.memory.cpu_kernels import PrepackedWeights, linear, prepack_budget, prepack_supported
+
+pytestmark = pytest.mark.skipif(not prepack_supported(torch.bfloat16), reason="oneDNN has no bf16 on this CPU")
+
+SHAPES = [(7168, 1024), (1024, 3584), (64, 32), (96, 40), (200, 33)]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 64])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_prepacked_linear_equals_f_linear_bit_for_bit(shape, rows):
+    n, k = shape
+    torch.manual_seed(rows)
+    slab = torch.randn(2, n * k).to(torch.bfloat16)            # two "experts" of one part each
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    with PrepackedWeights([slab], budget_bytes=1 << 30) as packed:
+        for e in range(2):
+            weight = slab[e].view(n, k)
+            assert torch.equal(linear(x, weight), F.linear(x, weight))
+        assert packed.packed_bytes == slab.numel() * 2
+
+
+def test_three_dimensional_input_keeps_its_shape():
+    slab = torch.randn(64 * 32).to(torch.bfloat16)
+    x = torch.randn(2, 3, 32).to(torch.bfloat16)
+    with PrepackedWeights([slab], budget_bytes=1 << 20):
+        assert torch.equal(linear(x, slab.view(64, 32)), F.linear(x, slab.view(64, 32)))
+
+
+def test_only_registered_memory_within_the_budget_is_packed():
+    inside = torch.randn(3, 64 * 32).to(torch.bfloat16)
+    outside = torch.randn(64, 32).to(torch.bfloat16)
+    x = torch.randn(1, 32).to(torch.bfloat16)
+    one_weight = 64 * 32 * 2
+    with PrepackedWeights([inside], budget_bytes=one_weight) as packed:
+        assert packed.packed(outside) is None                  # not registered: F.linear
+        assert packed.packed(inside[0].view(64, 32)) is not None
+        assert packed.packed(inside[1].view(64, 32)) is None   # over the budget
+        assert packed.packed_bytes == one_weight
+        first = packed.packed(inside[0].view(64, 32))
+        assert packed.packed(inside[0].view(64, 32)) is first  # built once
+        assert torch.equal(linear(x, inside[1].view(64, 32)), F.linear(x, inside[1].view(64, 32)))
+    assert packed not in cpu_kernels._ACTIVE and packed.packed_bytes == 0
+
+
+def test_float32_weights_keep_f_linear():
+    slab = torch.randn(64 * 32)
+    with PrepackedWeights([slab], budget_bytes=1 << 20) as packed:
+        linear(torch.randn(1, 32), slab.view(64, 32))
+        assert packed.packed_bytes == 0
+
+
+def test_budget_keeps_a_reserve_of_ram():
+    assert prepack_budget(available=1 << 30, total=8 << 30) == 0
+    assert prepack_budget(available=20 << 30, total=40 << 30) == (20 << 30) - 4 * (1 << 30)
+
+
+@pytest.fixture(scope="module")
+def bf16_mixtral(tmp_path_factory):
+    return build_tiny("mixtral", tmp_path_factory.mktemp("bf16") / "mixtral", dtype=torch.bfloat16)
+
+
+def test_cpu_store_prepacks_and_matches_the_unpacked_path_exactly(bf16_mixtral):
+    ids, mask = token_inputs(2, 10)
+    model = offloaded("mixtral", bf16_mixtral, device="cpu", store="cpu")
+    plain = offloaded("mixtral", bf16_mixtral, device="cpu", store="disk", expert_cache="100%")   # slots: F.linear
+    out = forward_logits(model, "mixtral", ids, mask)
+    assert hf_moe_offload.stats(model)["prepacked_bytes"] > 0
+    assert hf_moe_offload.stats(plain)["prepacked_bytes"] == 0
+    assert torch.equal(out, forward_logits(plain, "mixtral", ids, mask))
+    ref = reference("mixtral", bf16_mixtral)
+    torch.testing.assert_close(out.float(), forward_logits(ref, "mixtral", ids, mask).float(), rtol=2e-2, atol=2e-2)
+    kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+def test_state_dict_and_disable_read_the_store_not_the_packed_copies(bf16_mixtral):
+    ids, mask = token_inputs(1, 6)
+    model = offloaded("mixtral", bf16_mixtral, device="cpu", store="cpu")
+    forward_logits(model, "mixtral", ids, mask)
+    packed = hf_moe_offload.get_engine(model).cache.cpu.prepacked
+    assert packed is not None and packed.packed_bytes > 0
+    ref_state = reference("mixtral", bf16_mixtral).state_dict()
+    state = model.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in ref_state.items())
+    hf_moe_offload.disable(model)
+    assert packed not in cpu_kernels._ACTIVE and packed.packed_bytes == 0
+    restored = model.state_dict()
+    assert all(torch.equal(restored[name], tensor) for name, tensor in ref_state.items())
+
+
+def test_weight_read_rates_and_the_profile_field():
+    from hf_moe_offload.planning.measure import weight_read_rates
+    from hf_moe_offload.planning.profile import MachineProfile, ProfileError
+
+    active = list(cpu_kernels._ACTIVE)                         # other tests' models may still be alive
+    rates = weight_read_rates(nbytes=1 << 20, hidden=64, seconds=0, threads=(1,))
+    assert sorted(rates) == ["bf16_1t", "int4_1t", "int8_1t", "stream_1t"] and min(rates.values()) > 0
+    assert cpu_kernels._ACTIVE == active                       # its registration is closed
+    p = MachineProfile(name="x", source="test", disk_read_bytes_per_s=2e9, host_memcpy_bytes_per_s=1e10,
+                       cpu_flops_bf16_batch1=5e9, cpu_flops_bf16_large=1e11, cpu_flops_fp32_batch1=5e9,
+                       cpu_flops_fp32_large=1e11, cpu_threads=2, host_memory_bytes=1 << 34,
+                       weight_read_bytes_per_s=rates)
+    assert MachineProfile.from_dict(p.to_dict()) == p and "weight reads" in p.summary()
+    with pytest.raises(ProfileError, match="weight_read_bytes_per_s"):
+        MachineProfile.from_dict({**p.to_dict(), "weight_read_bytes_per_s": {"bf16_1t": -1}})
