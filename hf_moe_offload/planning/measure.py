@@ -24,6 +24,9 @@ import torch
 
 from .._logging import progress
 from .._timing import best_rate
+from ..memory import cpu_kernels
+from ..memory.cpu_kernels import PrepackedWeights, prepack_supported
+from ..storage.quantize import to_cpu_int4
 from .profile import EXPERT_CURVE_ROWS, MachineProfile
 
 logger = logging.getLogger(__name__)
@@ -57,7 +60,8 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
     use_cuda = torch.cuda.is_available() if device is None else str(device).startswith("cuda")
     if not expert_rows or any(not isinstance(r, int) or r < 1 for r in expert_rows):
         raise ValueError(f"measure: expert_rows must be row counts >= 1, got {expert_rows!r}")
-    steps = (["disk", "memcpy", "cpu matmul", "cpu expert and elementwise"] + (["device"] if use_cuda else [])
+    steps = (["disk", "memcpy", "cpu matmul", "cpu expert and elementwise", "weight reads"]
+             + (["device"] if use_cuda else [])
              + (["overhead"] if layer_overhead is not None else []))
     values: dict[str, Any] = {}
     bar = progress(total=len(steps), desc="profiling this machine")
@@ -75,6 +79,8 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
             values[f"cpu_expert_flops_{key}"] = _expert_curve(expert_hidden, dtype, expert_rows, cold_bytes,
                                                               seconds_per_kernel / 2)
             values[f"cpu_elementwise_{key}_per_s"] = _elementwise_rate(dtype, seconds_per_kernel / 2)
+        bar.update(1)
+        values["weight_read_bytes_per_s"] = weight_read_rates(cold_bytes, expert_hidden, seconds_per_kernel)
         bar.update(1)
         if use_cuda:
             dev = torch.device(device or "cuda:0")
@@ -253,3 +259,67 @@ def _device_numbers(dev: torch.device, nbytes: int, hidden: int, seconds: float)
     return {"h2d_bytes_per_s": h2d_rate, "device_flops": flops, "device_memory_bytes_per_s": mem_rate,
             "device_memory_bytes": torch.cuda.get_device_properties(dev).total_memory,
             "device_name": torch.cuda.get_device_name(dev)}
+
+
+def weight_read_rates(nbytes: int = 256 << 20, hidden: int = 1024, seconds: float = 0.25,
+                      threads: tuple[int, ...] | None = None) -> dict[str, float]:
+    """Bytes of weights per second this machine reads, the bound of a batch-1 decode step on the CPU: a streaming
+    read of a large tensor (`stream`), and one-row matrix-vector products through the kernels the engine uses
+    (`bf16`: prepacked oneDNN, `memory.cpu_kernels`; `int8`, `int4`: torch's CPU kernels, group 64), on weights
+    rotated through `nbytes` (more than a last-level cache: cold, as a decode step walks the model). Keys are
+    `<kind>_<threads>t`, at 1 and at torch's current thread count by default.
+
+    Example:
+        >>> r = weight_read_rates(nbytes=1 << 20, hidden=64, seconds=0, threads=(1,))
+        >>> sorted(r) == ['bf16_1t', 'int4_1t', 'int8_1t', 'stream_1t'] and min(r.values()) > 0
+        True
+    """
+    threads = threads or tuple(sorted({1, torch.get_num_threads()}))
+    before = torch.get_num_threads()
+    kernels, packed = _gemv_kernels(nbytes, hidden)
+    stream = torch.empty(nbytes // 4, dtype=torch.float32).fill_(1.0)
+    rates: dict[str, float] = {}
+    try:
+        for n in threads:
+            torch.set_num_threads(n)
+            rates[f"stream_{n}t"] = best_rate(stream.nbytes, stream.sum, seconds)
+            for kind, (run, read) in kernels.items():
+                run()   # warm-up: kernel selection, the packed copies
+                rates[f"{kind}_{n}t"] = best_rate(read, run, seconds)
+    finally:
+        torch.set_num_threads(before)
+        if packed is not None:
+            packed.close()
+    return rates
+
+
+def _gemv_kernels(nbytes: int, hidden: int
+                  ) -> tuple[dict[str, tuple[Callable[[], None], int]], PrepackedWeights | None]:
+    """{kind: (one row through every weight of `nbytes`, bytes it reads)} for [4 hidden, hidden] weights, and the
+    registration of the bf16 weights for prepacking (to close when done; None where oneDNN has no bf16)."""
+    n, k = 4 * hidden, hidden
+    x = torch.randn(1, k, dtype=torch.bfloat16)
+    count = max(1, nbytes // (n * k * 2))
+    slab = torch.randn(count, n * k).to(torch.bfloat16)
+    packed = PrepackedWeights([slab], budget_bytes=slab.numel() * 2) if prepack_supported(torch.bfloat16) else None
+    q8 = torch.randint(-127, 128, (max(1, nbytes // (n * k)), n, k), dtype=torch.int8)
+    s8 = torch.rand(n, dtype=torch.bfloat16)
+    q4 = [to_cpu_int4(torch.randint(0, 16, (n, k), dtype=torch.uint8)) for _ in range(max(1, 2 * nbytes // (n * k)))]
+    group = min(64, k)
+    sz4 = torch.rand(k // group, n, 2, dtype=torch.bfloat16)
+
+    def bf16() -> None:
+        for i in range(count):
+            cpu_kernels.linear(x, slab[i].view(n, k))
+
+    def int8() -> None:
+        for w in q8:
+            torch._weight_int8pack_mm(x, w, s8)
+
+    def int4() -> None:
+        for w in q4:
+            torch._weight_int4pack_mm_for_cpu(x, w, group, sz4)
+
+    kernels = {"bf16": (bf16, slab.numel() * 2), "int8": (int8, q8.numel()),
+               "int4": (int4, sum(w.numel() for w in q4))}
+    return kernels, packed

@@ -10,7 +10,9 @@ Every number is what this package's own work sees, not a datasheet peak where it
 - with CUDA: host-to-device from pinned memory, device matmul FLOP/s, device memory;
 - what a matmul's FLOP/s misses (optional fields, older files load without them): the engine's whole expert forward
   (gather, gate_up, SiLU x up, down, scatter) at several row counts with weights cold in the caches, the elementwise
-  rate (norms, RoPE, residuals), and the framework's time per layer and per `generate` step on the demo model.
+  rate (norms, RoPE, residuals), and the framework's time per layer and per `generate` step on the demo model;
+- the memory-bandwidth bound of a batch-1 decode step (optional): bytes of weights per second read by a streaming
+  read and by one-row bf16/int8/int4 matrix-vector products, at 1 and all threads (`measure.weight_read_rates`).
 
 Example:
     >>> p = MachineProfile.from_dict(json.loads(shipped_profile_path("t4").read_text()))
@@ -102,6 +104,9 @@ class MachineProfile:
     # Seconds per decode step of `generate` outside the model's layers (logits processing, argmax, input and
     # cache bookkeeping), measured on the demo model: its step time less its layers' overhead.
     step_overhead_s: float | None = None
+    # Weight bytes per second a batch-1 decode step can read (its bound): {"stream_1t": ..., "bf16_2t": ...}, the
+    # kind of read (a streaming read; bf16, int8, int4 one-row matrix-vector products) and the thread count.
+    weight_read_bytes_per_s: dict[str, float] | None = None
 
     @property
     def has_device(self) -> bool:
@@ -176,6 +181,12 @@ class MachineProfile:
         for name in _CURVE_FIELDS:
             if data.get(name) is not None:
                 _curve(where, name, data[name])
+        reads = data.get("weight_read_bytes_per_s")
+        if reads is not None and not isinstance(reads, dict):
+            raise ProfileError(f"{where}: field 'weight_read_bytes_per_s' must be an object of read kind -> "
+                               f"bytes/s, got {_short(reads)}")
+        for key, rate in (reads or {}).items():
+            _positive(where, f"weight_read_bytes_per_s[{key!r}]", rate)
         values = {k: v for k, v in data.items() if k in known}
         for name in ("cpu_threads", "host_memory_bytes", "device_memory_bytes"):
             if values.get(name) is not None:
@@ -240,6 +251,9 @@ class MachineProfile:
         if self.cpu_elementwise_bf16_per_s:
             lines.append(f"  CPU elementwise bf16 {self.cpu_elementwise_bf16_per_s / 1e9:.2f} G/s, fp32 "
                          f"{(self.cpu_elementwise_fp32_per_s or 0) / 1e9:.2f} G/s")
+        if self.weight_read_bytes_per_s:
+            lines.append("  weight reads (GB/s) " + ", ".join(
+                f"{kind}: {rate / 1e9:.1f}" for kind, rate in self.weight_read_bytes_per_s.items()))
         if self.layer_overhead_s:
             lines.append(f"  framework overhead {self.layer_overhead_s * 1e3:.2f} ms per layer and pass, "
                          f"{(self.step_overhead_s or 0) * 1e3:.2f} ms per generate step")
