@@ -166,7 +166,10 @@ def test_bound_is_computed_and_within_what_the_tiny_run_allows(tiny_run):
     assert [len(p) for p in touched] == ours["ours"]["decode_step_experts_used"]
     assert ours["fixed_floor_bytes_per_step"] >= ours["floor_bytes_per_step"]
     busy = ours["ours"]["decode"]
-    assert 0 < busy["read_busy_share"] <= 1.05 and busy["read_clock_bytes"] == busy["bytes_to_device"]
+    assert 0 < busy["read_busy_share"] <= 1.05
+    # Bytes are counted as a read is issued, the read clock as it ends: the reads a streamed pass issues for the
+    # next one as it ends straddle the decode's first and last step, at most a stream window (2) at each end.
+    assert abs(busy["read_clock_bytes"] - busy["bytes_to_device"]) <= 2 * 2 * ours["ours"]["expert_bytes"]
     assert ours["bound"]["decode_over_median_bound"] >= ours["bound"]["decode_over_bound"]
 
 
