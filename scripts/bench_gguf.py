@@ -6,9 +6,10 @@ same model as bf16 safetensors (transformers' dequantized load, saved). Then, al
 run, it times greedy decoding at batch 1 and batch 32:
 
 - `transformers-gguf`: `from_pretrained(dir, gguf_file=...)`, every tensor dequantized, all resident (bf16);
-- `ours-gguf-disk`: the same file offloaded, experts read per expert in their GGUF blocks from disk into a cache of
-  `--cache` of the quantized bytes (page cache dropped before each run), dequantized when they compute;
-- `ours-gguf-cpu`: the GGUF blocks of every expert in host memory (no reads), dequantized when they compute;
+- `ours-gguf-disk`: the same file offloaded, experts read per expert in their GGUF blocks from disk (page cache
+  dropped before each run) and dequantized into a dense cache of `--cache` (a share of the dense expert bytes, or
+  bytes);
+- `ours-gguf-cpu`: the GGUF blocks of every expert in host memory, dequantized into a dense cache ("auto" budget);
 - `ours-bf16-disk`: the bf16 safetensors checkpoint offloaded from disk, same cache share.
 
 Each row: decode tokens/s, seconds per step, bytes read per token (`stats(model)`), and the load's `uptime` load
@@ -120,7 +121,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--workdir", default="/tmp/hf_moe_offload_bench_gguf")
-    parser.add_argument("--cache", default="25%", help="expert_cache of the disk rows (share of their expert bytes)")
+    parser.add_argument("--cache", default="25%", help="expert_cache of the disk rows (a share of the experts' bytes as "
+                                                         "the cache holds them, or a size such as 576MiB)")
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--new-tokens", type=int, nargs="+", default=[8, 4], help="per batch")
     parser.add_argument("--systems", nargs="+", default=["transformers-gguf", "ours-gguf-disk", "ours-gguf-cpu",
