@@ -7,7 +7,8 @@
   copied, their CPU time, and the disk bytes read into host buffers for them (`hits + misses + cpu_computed ==
   experts_used`; `hit_rate` is hits over all three); with "auto" also the decision's measured inputs
   (`h2d_bytes_per_s`, `host_bytes_per_s`, `cpu_flops`, `cpu_expert_s` per token bucket);
-- `prepacked_bytes`: host memory held by prepacked copies of CPU-computed bfloat16 experts (`memory.cpu_kernels`);
+- `prepacked_bytes`: host memory held by prepacked oneDNN copies of bfloat16 weights computed on the CPU (experts
+  and the model's own linear layers, `memory.cpu_kernels`);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those
   the router then used, those evicted unused; `readahead_issued`: the read-ahead's share of `prefetch_issued`;
 - `repeat_reads`: experts read more than once within one forward pass;
@@ -221,7 +222,7 @@ class OffloadStats:
         self.capacity_bytes = capacity_bytes   # set by the cache from its slots
         self._lock = threading.Lock()
         self.placement: Callable[[], dict] | None = None   # expert_compute="auto": its measured inputs
-        self.prepacked = None                          # the cache's `PrepackedWeights`, if it has one
+        self.prepacked: list = []                      # `cpu_kernels.PrepackedWeights` registrations (experts, own layers)
         self.resident_bytes = 0
         self.devices: dict[str, list[int]] = {}     # cache device -> its MoE layers (several caches only)
         self._device_bytes: dict[str, list[int]] = {}   # cache device -> [resident, peak, capacity]
@@ -383,7 +384,7 @@ class OffloadStats:
                 "resident_bytes": self.resident_bytes,
                 "peak_cache_bytes": self.peak_cache_bytes,
                 "cache_capacity_bytes": self.capacity_bytes,
-                "prepacked_bytes": self.prepacked.packed_bytes if self.prepacked is not None else 0,
+                "prepacked_bytes": sum(p.packed_bytes for p in self.prepacked),
                 "lookahead_on": self.lookahead_on,
                 "lookahead_precision": self.lookahead_precision,
                 "lookahead_break_even": self.lookahead_break_even,

@@ -1,5 +1,7 @@
-"""Prepacked oneDNN weights for bfloat16 experts computed on the CPU (`memory.cpu_kernels`): the same bits as
-`F.linear`, only for memory that is registered, within the budget, built once, gone after `disable()`."""
+"""The CPU kernels for bfloat16 matmuls (`memory.cpu_kernels`): prepacked oneDNN weights with the same bits as
+`F.linear`, only for registered memory, within the budget, built once, remade after an in-place write, gone after
+`disable()`; the model's own linear layers routed through them and given back; the opt-in compiled one-row product
+within a rounding of `F.linear`."""
 
 from __future__ import annotations
 
@@ -17,9 +19,49 @@ pytestmark = pytest.mark.skipif(not prepack_supported(torch.bfloat16), reason="o
 SHAPES = [(7168, 1024), (1024, 3584), (64, 32), (96, 40), (200, 33)]
 
 
+ONE_ULP = dict(rtol=2**-7, atol=1e-6)     # bfloat16 keeps 8 bits: one rounding apart
+
+
+@pytest.fixture
+def no_compiled_gemv(monkeypatch):
+    monkeypatch.setattr(cpu_kernels._COMPILED_GEMV, "fn", None)
+
+
+def test_the_compiled_product_is_opt_in(monkeypatch):
+    assert cpu_kernels._CompiledGemv().fn is None
+    monkeypatch.setenv(cpu_kernels.GEMV_ENV, "1")
+    assert cpu_kernels._CompiledGemv().fn is not None
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_compiled_one_row_product_is_within_a_rounding_of_f_linear(shape, monkeypatch):
+    monkeypatch.setenv(cpu_kernels.GEMV_ENV, "1")
+    gemv = cpu_kernels._CompiledGemv()
+    n, k = shape
+    torch.manual_seed(0)
+    weight, x = torch.randn(n, k).to(torch.bfloat16), torch.randn(1, k).to(torch.bfloat16)
+    out = gemv(x, weight)
+    assert out is not None, "compiling the one-row product failed on this machine"
+    torch.testing.assert_close(out, F.linear(x, weight), **ONE_ULP)
+    exact = (x.double() @ weight.double().T)
+    assert (out.double() - exact).abs().max() <= (F.linear(x, weight).double() - exact).abs().max() * 2 + 1e-6
+
+
+def test_a_failed_compile_falls_back_once_with_a_warning(monkeypatch, caplog):
+    def broken(x, w):
+        raise RuntimeError("no C++ compiler")
+
+    gemv = cpu_kernels._CompiledGemv()
+    gemv.fn = broken
+    monkeypatch.setattr(cpu_kernels, "_COMPILED_GEMV", gemv)
+    weight, x = torch.randn(64, 32).to(torch.bfloat16), torch.randn(1, 32).to(torch.bfloat16)
+    assert torch.equal(linear(x, weight), F.linear(x, weight))
+    assert gemv.fn is None and "unavailable" in caplog.text
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 8, 17, 64])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_prepacked_linear_equals_f_linear_bit_for_bit(shape, rows):
+def test_prepacked_linear_equals_f_linear_bit_for_bit(shape, rows, no_compiled_gemv):
     n, k = shape
     torch.manual_seed(rows)
     slab = torch.randn(2, n * k).to(torch.bfloat16)            # two "experts" of one part each
@@ -31,14 +73,24 @@ def test_prepacked_linear_equals_f_linear_bit_for_bit(shape, rows):
         assert packed.packed_bytes == slab.numel() * 2
 
 
-def test_three_dimensional_input_keeps_its_shape():
+def test_a_weight_written_in_place_is_packed_again():
+    weight = torch.randn(64, 32).to(torch.bfloat16)
+    x = torch.randn(2, 32).to(torch.bfloat16)
+    with PrepackedWeights([weight], budget_bytes=weight.nbytes) as packed:
+        linear(x, weight)
+        weight.mul_(2)
+        assert torch.equal(linear(x, weight), F.linear(x, weight))
+        assert packed.packed_bytes == weight.nbytes
+
+
+def test_three_dimensional_input_keeps_its_shape(no_compiled_gemv):
     slab = torch.randn(64 * 32).to(torch.bfloat16)
     x = torch.randn(2, 3, 32).to(torch.bfloat16)
     with PrepackedWeights([slab], budget_bytes=1 << 20):
         assert torch.equal(linear(x, slab.view(64, 32)), F.linear(x, slab.view(64, 32)))
 
 
-def test_only_registered_memory_within_the_budget_is_packed():
+def test_only_registered_memory_within_the_budget_is_packed(no_compiled_gemv):
     inside = torch.randn(3, 64 * 32).to(torch.bfloat16)
     outside = torch.randn(64, 32).to(torch.bfloat16)
     x = torch.randn(1, 32).to(torch.bfloat16)
@@ -83,6 +135,19 @@ def test_cpu_store_prepacks_and_matches_the_unpacked_path_exactly(bf16_mixtral):
     torch.testing.assert_close(out.float(), forward_logits(ref, "mixtral", ids, mask).float(), rtol=2e-2, atol=2e-2)
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+def test_own_linear_layers_take_the_kernels_and_are_given_back(bf16_mixtral):
+    model = offloaded("mixtral", bf16_mixtral, device="cpu", store="cpu")
+    q_proj = model.model.layers[0].self_attn.q_proj
+    assert "forward" in q_proj.__dict__ and "forward" in model.lm_head.__dict__
+    x = torch.randn(1, 1, q_proj.in_features).to(torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(q_proj(x), F.linear(x, q_proj.weight))
+    assert hf_moe_offload.stats(model)["prepacked_bytes"] == q_proj.weight.nbytes   # no expert has run yet
+    assert set(model.state_dict()) == set(reference("mixtral", bf16_mixtral).state_dict())
+    hf_moe_offload.disable(model)
+    assert "forward" not in q_proj.__dict__ and "forward" not in model.lm_head.__dict__
 
 
 def test_state_dict_and_disable_read_the_store_not_the_packed_copies(bf16_mixtral):

@@ -1,6 +1,6 @@
 """The steps every way of offloading shares (`from_pretrained` and `enable`): refusing CPU attention early, loading
 the policy's predictor, and what is attached after the engine (predictor hook, CPU attention, batching defaults,
-the auto plan's summary), each undone by `disable()`."""
+CPU kernels for the model's own linear layers, the auto plan's summary), each undone by `disable()`."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from transformers import PreTrainedModel
 
 from ..attention.cpu import check_cpu_attention, cpu_attention_enabled, restore_attention, use_cpu_attention
 from ..batching.config import install_batching_defaults
+from ..memory.cpu_kernels import DenseLinears, prepack_budget
 from ..planning.resolve import ResolvedPolicy
 from ..policy.offload_policy import OffloadPolicy
 from ..prefetch.hash import HashPredictor, HashPrefetcher
@@ -23,6 +24,7 @@ def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: R
         engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
     _apply_attention(model, engine)
     _apply_batching(model, engine)
+    _apply_cpu_kernels(model, engine)
     return model
 
 
@@ -50,6 +52,16 @@ def _apply_batching(model: PreTrainedModel, engine: OffloadEngine) -> None:
     remove = install_batching_defaults(model)
     if remove is not None:
         engine.on_detach.append(remove)
+
+def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine) -> None:
+    """The model's own bfloat16 linear layers on the CPU take the experts' CPU kernels (`memory.cpu_kernels`), their
+    copies within what RAM leaves once the store's experts could be packed too; undone by `disable()`."""
+    experts = engine.store.total_bytes if engine.stats.prepacked else 0
+    dense = DenseLinears.attach(model, skip=tuple(layer.name for layer in engine.layers),
+                                budget_bytes=max(0, prepack_budget() - experts))
+    if dense.modules:
+        engine.stats.prepacked.append(dense.packed)
+        engine.on_detach.append(dense.remove)
 
 def load_predictor(policy: OffloadPolicy, model: nn.Module) -> HashPredictor | None:
     """The policy's hash predictor, its files and fingerprint checked against `model` (a skeleton will do)."""

@@ -6,8 +6,8 @@ one of `HOST_BUFFERS` reusable host buffers. "cpu" does so for every expert that
 measured CPU time beats the measured copy.
 
 A dense bfloat16 store in host memory whose experts compute on the CPU (served in place, or `expert_compute` other
-than "device") registers its slabs for prepacked oneDNN weights (`cpu_kernels.PrepackedWeights`), counted in the
-stats as `prepacked_bytes`.
+than "device") registers its slabs for prepacked oneDNN weights (`cpu_kernels.PrepackedWeights`, a copy of each
+expert at its first use, within the RAM available), counted in the stats as `prepacked_bytes`.
 """
 
 from __future__ import annotations
@@ -43,7 +43,8 @@ class CpuCompute:
         self.host_buffers: list[torch.Tensor] = []     # made on first use
         # `copy` is None when the cache serves the store in place: every expert computes on the CPU from its slab.
         self.prepacked = PrepackedWeights.for_store(store) if copy is None or mode != "device" else None
-        stats.prepacked = self.prepacked
+        if self.prepacked is not None:
+            stats.prepacked.append(self.prepacked)
 
     def chooses(self, key: Key, tokens: int, holding: bool) -> bool:
         """Whether missing expert `key` with `tokens` tokens computes on the CPU instead of being copied;

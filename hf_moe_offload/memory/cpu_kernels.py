@@ -1,33 +1,43 @@
-"""The CPU kernel for bfloat16 expert matmuls: weights prepacked once for oneDNN, where they never change.
+"""The CPU kernels for bfloat16 matmuls of few rows, where a decode step spends its time reading weights.
 
 `F.linear` on a bfloat16 weight in the plain [out, in] layout makes oneDNN's matmul re-block the weight on every
 call, which at a few rows costs more than reading it. `torch.ops.mkldnn._reorder_linear_weight` blocks it once;
-`torch.ops.mkldnn._linear_pointwise` then reads the blocked copy straight through. Same kernel family, same
-accumulation: the results equal `F.linear`'s bit for bit (tests/test_cpu_kernels.py checks the shapes the models
-use, 1 to 64 rows).
+`torch.ops.mkldnn._linear_pointwise` then reads the blocked copy: the same kernel family and accumulation, the same
+bits as `F.linear` (tests/test_cpu_kernels.py), so exact modes stay exact.
 
-The blocked copy is an opaque oneDNN tensor, a copy as large as the weight. So only memory that stays the same for
-the life of the registration is packed: a CPU store's slabs (`PrepackedWeights.for_store`), which the store never
-writes after loading. Copies are made at an expert's first use, within a byte budget taken from the RAM available
-at registration (`prepack_budget`); past it, experts run through `F.linear` as before. `disable()` and
-`state_dict()` read the store's own slabs, so they never see a packed copy. Float32 weights keep `F.linear` (MKL's
-sgemm is not re-blocked per call, and the packed path rounds differently).
+The blocked copy is an opaque oneDNN tensor as large as the weight, made at a weight's first use within a byte
+budget taken from the RAM available at registration (`prepack_budget`); past it, `F.linear` as before. Registered
+memory (`PrepackedWeights`): a CPU store's slabs (`for_store`), which the store never writes after loading, and the
+model's own bias-free linear layers on the CPU (`DenseLinears`: attention projections, routers, the head). A copy
+is remade if its weight was written in place since (the tensor's version counter). `disable()` and `state_dict()`
+read the store's slabs and the parameters, never a packed copy.
+
+Opt-in, approximate (`HF_MOE_OFFLOAD_CPU_GEMV=1`): one-row products as a float32 reduction compiled by
+`torch.compile` (inductor's C++ backend, dynamic shapes: one compile for every weight shape), which reads the plain
+weight once with no copy and runs faster than oneDNN's kernel at one row, but sums in another order: within a
+rounding of `F.linear`, not equal to it, so greedy tokens may differ from the unpatched model's.
+
+Float32 weights keep `F.linear` (MKL's sgemm does not re-block per call).
 """
 
 from __future__ import annotations
 
 import bisect
 import logging
+import os
 import threading
 
 import psutil
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 logger = logging.getLogger(__name__)
 
 RESERVE_FRACTION = 0.10          # of total RAM left free after packing (KV cache, activations, other processes)
 RESERVE_MIN_BYTES = 1 << 30      # ... and never less than this
+
+GEMV_ENV = "HF_MOE_OFFLOAD_CPU_GEMV"   # "1": the compiled one-row product (approximate)
 
 _ACTIVE: list["PrepackedWeights"] = []   # registrations live now; `linear` consults them
 _ACTIVE_LOCK = threading.Lock()
@@ -71,7 +81,7 @@ class PrepackedWeights:
         self._ends = [e for _, e in spans]
         self.budget_bytes = budget_bytes
         self.packed_bytes = 0                         # what the copies hold now (counted in the stats)
-        self._packed: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._packed: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}   # key -> (copy, weight version)
         self._lock = threading.Lock()
         self._full_logged = False
         with _ACTIVE_LOCK:
@@ -94,23 +104,29 @@ class PrepackedWeights:
         return i >= 0 and start + weight.numel() * weight.element_size() <= self._ends[i]
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
-        """The packed copy of `weight` (made now if it is new and the budget allows), or None."""
+        """The packed copy of `weight` (made now if it is new or was written since, and the budget allows), or
+        None."""
         key = (weight.data_ptr(), weight.shape[0], weight.shape[1])
         found = self._packed.get(key)
-        if found is not None or not self.owns(weight):
-            return found
+        if found is not None and found[1] == weight._version:
+            return found[0]
+        if found is None and not self.owns(weight):
+            return None
         nbytes = weight.numel() * weight.element_size()
         with self._lock:
-            found = self._packed.get(key)
-            if found is None and self.packed_bytes + nbytes <= self.budget_bytes:
-                found = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-                self._packed[key] = found
-                self.packed_bytes += nbytes
-            elif found is None and not self._full_logged:
-                self._full_logged = True
-                logger.info("hf_moe_offload: prepacked CPU weights reached their RAM budget (%d bytes); the rest "
-                            "computes through F.linear", self.budget_bytes)
-        return found
+            stale = self._packed.pop(key, None)
+            if stale is not None:
+                self.packed_bytes -= nbytes
+            if self.packed_bytes + nbytes > self.budget_bytes:
+                if not self._full_logged:
+                    self._full_logged = True
+                    logger.info("hf_moe_offload: prepacked CPU weights reached their RAM budget (%d bytes); the "
+                                "rest computes through F.linear", self.budget_bytes)
+                return None
+            copy = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            self._packed[key] = (copy, weight._version)
+            self.packed_bytes += nbytes
+        return copy
 
     def close(self) -> None:
         """Drop every packed copy and the registration (before the tensors are freed or written)."""
@@ -129,16 +145,99 @@ class PrepackedWeights:
         self.close()
 
 
+def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [1, K] bf16, weight [N, K] bf16 -> [1, N] bf16, accumulated in float32: one pass over the weight."""
+    return (x[:, None, :].float() * weight[None, :, :].float()).sum(-1).to(x.dtype)
+
+
+class _CompiledGemv:
+    """`_gemv` compiled at its first call; off for good, with one warning, if compiling fails."""
+
+    def __init__(self) -> None:
+        self.fn = torch.compile(_gemv, dynamic=True, fullgraph=True) if os.environ.get(GEMV_ENV) == "1" else None
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        if self.fn is None:
+            return None
+        try:
+            return self.fn(x, weight)
+        except Exception as err:   # inductor needs a C++ compiler at run time; anything it raises means "not here"
+            self.fn = None
+            logger.warning("hf_moe_offload: the compiled one-row CPU product is unavailable (%s: %s); using "
+                           "oneDNN's kernels", type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+            return None
+
+
+_COMPILED_GEMV = _CompiledGemv()
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """`F.linear(x, weight)` (same bits), through the prepacked copy where `weight` lies in registered memory.
+    """`F.linear(x, weight)` for a bfloat16 CPU weight through the fastest kernel for its row count (module
+    docstring); anything else through `F.linear` itself.
 
     x [..., K]; weight [N, K] -> [..., N]."""
-    if _ACTIVE and weight.dtype == torch.bfloat16 and x.dtype == torch.bfloat16 and weight.device.type == "cpu" \
-            and weight.dim() == 2 and weight.is_contiguous():
-        for registration in tuple(_ACTIVE):     # a copy: another thread may register meanwhile
-            packed = registration.packed(weight)
-            if packed is not None:
-                flat = x.reshape(-1, x.shape[-1]).contiguous()                               # [T, K]
-                out = torch.ops.mkldnn._linear_pointwise(flat, packed, None, "none", [], "")   # [T, N]
-                return out.view(*x.shape[:-1], weight.shape[0])
+    if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or weight.device.type != "cpu" \
+            or weight.dim() != 2 or not weight.is_contiguous() or x.numel() == 0 \
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
+        return F.linear(x, weight)
+    flat = x.reshape(-1, x.shape[-1])                                                    # [T, K]
+    if flat.shape[0] == 1:
+        out = _COMPILED_GEMV(flat, weight)                                               # [1, N]
+        if out is not None:
+            return out.view(*x.shape[:-1], weight.shape[0])
+    for registration in tuple(_ACTIVE):     # a copy: another thread may register meanwhile
+        packed = registration.packed(weight)
+        if packed is not None:
+            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, None, "none", [], "")   # [T, N]
+            return out.view(*x.shape[:-1], weight.shape[0])
     return F.linear(x, weight)
+
+
+class DenseLinears:
+    """The model's own bias-free `nn.Linear` layers outside its offloaded experts (attention projections, routers,
+    the head) through `linear` while they hold bfloat16 weights on the CPU, their weights registered for prepacked
+    copies (`packed`, within `budget_bytes`). Each layer's `forward` is overridden on the instance, as accelerate's
+    hooks do, so parameters, `state_dict()` and the module tree stay as they were; `remove()` (run by `disable()`)
+    drops the copies and puts the class's forward back. transformers has no kernel hook for a plain linear layer
+    (its hub kernels replace only layers declared for them, none of them projections), hence the override.
+
+    Example:
+        >>> layers = DenseLinears.attach(model, skip=("model.layers.0.mlp.experts",))           # doctest: +SKIP
+        >>> layers.remove()                                                                        # doctest: +SKIP
+    """
+
+    def __init__(self, modules: list[nn.Linear], packed: PrepackedWeights | None):
+        self.modules, self.packed = modules, packed
+
+    @classmethod
+    def attach(cls, model: nn.Module, skip: tuple[str, ...] = (), budget_bytes: int | None = None
+               ) -> "DenseLinears":
+        """Override the forward of every bfloat16 CPU `nn.Linear` without bias of `model` outside the module names
+        `skip`; a layer whose forward is overridden already (an accelerate hook) keeps it. Nothing where oneDNN
+        has no bf16. `budget_bytes`: default `prepack_budget()`."""
+        if not prepack_supported(torch.bfloat16):
+            return cls([], None)
+        prefixes = tuple(name + "." for name in skip)
+        modules = [m for name, m in model.named_modules()
+                   if type(m) is nn.Linear and not (name + ".").startswith(prefixes) and m.bias is None
+                   and "forward" not in m.__dict__
+                   and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+        if not modules:
+            return cls([], None)
+        packed = PrepackedWeights([m.weight.detach() for m in modules],
+                                  prepack_budget() if budget_bytes is None else budget_bytes)
+        for module in modules:
+            module.forward = _linear_forward.__get__(module)
+        return cls(modules, packed)
+
+    def remove(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop("forward", None)
+        self.modules = []
+        if self.packed is not None:
+            self.packed.close()
+
+
+def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """`nn.Linear.forward` of a layer without bias, through `linear`."""
+    return linear(x, self.weight)
