@@ -180,3 +180,29 @@ def test_weight_read_rates_and_the_profile_field():
     assert MachineProfile.from_dict(p.to_dict()) == p and "weight reads" in p.summary()
     with pytest.raises(ProfileError, match="weight_read_bytes_per_s"):
         MachineProfile.from_dict({**p.to_dict(), "weight_read_bytes_per_s": {"bf16_1t": -1}})
+
+
+def test_default_threads_leave_the_busy_cores_and_respect_a_choice(monkeypatch):
+    from hf_moe_offload.memory import cpu_threads
+
+    assert cpu_threads.free_cores(load=1.2, cpus=8) == 6 and cpu_threads.free_cores(load=9.0, cpus=2) == 1
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: before)
+        monkeypatch.setattr(cpu_threads, "free_cores", lambda: 1)
+        restore = cpu_threads.apply_default_threads()
+        assert torch.get_num_threads() == 1 and (restore is not None or before == 1)
+        if restore is not None:
+            restore()
+        assert torch.get_num_threads() == before
+        monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: before + 1)      # the user set another count
+        assert cpu_threads.apply_default_threads() is None and torch.get_num_threads() == before
+        monkeypatch.setenv(cpu_threads.THREADS_ENV, "1")
+        restore = cpu_threads.apply_default_threads()
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv(cpu_threads.THREADS_ENV, "zero")
+        with pytest.raises(ValueError, match="HF_MOE_OFFLOAD_THREADS"):
+            cpu_threads.apply_default_threads()
+    finally:
+        torch.set_num_threads(before)

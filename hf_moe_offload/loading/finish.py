@@ -4,12 +4,14 @@ CPU kernels for the model's own linear layers, the auto plan's summary), each un
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 from transformers import PreTrainedModel
 
 from ..attention.cpu import check_cpu_attention, cpu_attention_enabled, restore_attention, use_cpu_attention
 from ..batching.config import install_batching_defaults
 from ..memory.cpu_kernels import DenseLinears, prepack_budget
+from ..memory.cpu_threads import apply_default_threads
 from ..planning.resolve import ResolvedPolicy
 from ..policy.offload_policy import OffloadPolicy
 from ..prefetch.hash import HashPredictor, HashPrefetcher
@@ -55,13 +57,18 @@ def _apply_batching(model: PreTrainedModel, engine: OffloadEngine) -> None:
 
 def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine) -> None:
     """The model's own bfloat16 linear layers on the CPU take the experts' CPU kernels (`memory.cpu_kernels`), their
-    copies within what RAM leaves once the store's experts could be packed too; undone by `disable()`."""
+    copies within what RAM leaves once the store's experts could be packed too; on the CPU device, torch's thread
+    count leaves the cores other processes use (`memory.cpu_threads`); undone by `disable()`."""
     experts = engine.store.total_bytes if engine.stats.prepacked else 0
     dense = DenseLinears.attach(model, skip=tuple(layer.name for layer in engine.layers),
                                 budget_bytes=max(0, prepack_budget() - experts))
     if dense.modules:
         engine.stats.prepacked.append(dense.packed)
         engine.on_detach.append(dense.remove)
+    if torch.device(engine.policy.device).type == "cpu":
+        restore = apply_default_threads()
+        if restore is not None:
+            engine.on_detach.append(restore)
 
 def load_predictor(policy: OffloadPolicy, model: nn.Module) -> HashPredictor | None:
     """The policy's hash predictor, its files and fingerprint checked against `model` (a skeleton will do)."""
