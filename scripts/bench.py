@@ -108,7 +108,8 @@ DENSE_SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_lay
 EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", *(f"hf_moe_offload_{q}_same_bytes" for q in QUANTIZATIONS),
                  "hf_moe_offload_cpu_compute", "hf_moe_offload_auto_compute",    # expert_compute: for --device cuda
                  # CPU attention, whole batch or in two micro-batches (CGOPipe's overlap): for --device cuda
-                 "hf_moe_offload_cpu_attention", "hf_moe_offload_cpu_attention_mb2")
+                 "hf_moe_offload_cpu_attention", "hf_moe_offload_cpu_attention_mb2",
+                 "hf_moe_offload_cpu_store")     # every expert in host memory, computed in place (the CPU kernels)
 SYSTEMS = (*DENSE_SYSTEMS, *(f"hf_moe_offload_{q}" for q in QUANTIZATIONS), *EXTRA_SYSTEMS)  # quantized: --quantize
 OURS_POLICY = {"device": "cpu", "store": "disk", "expert_cache": "25%", "eviction": "lru"}
 # hf_moe_offload systems: LRU eviction (LRU) and the same with the library's default layer-aware eviction;
@@ -125,7 +126,8 @@ POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLIC
             # while the device computes the other half's experts.
             "hf_moe_offload_cpu_attention": {**OURS_POLICY, "eviction": "layer", "attention": "cpu"},
             "hf_moe_offload_cpu_attention_mb2": {**OURS_POLICY, "eviction": "layer", "attention": "cpu",
-                                                 "micro_batches": 2}}
+                                                 "micro_batches": 2},
+            "hf_moe_offload_cpu_store": {"device": "cpu", "store": "cpu"}}
 MiB, GiB = 2**20, 2**30
 MARKER = "bench_model.json"
 MAX_GPU_LAYERS = 32            # Mixtral-8x7B has 32
@@ -1458,6 +1460,32 @@ def add_bounds(results: list[dict], one_expert_bytes: int, store_bytes_per_s: fl
             if acc and acc is not r and "prefill_tok_s" in r else None
 
 
+def memory_read_bandwidth(threads: int) -> dict[str, float]:
+    """Weight bytes/s this machine reads at `threads` threads (`planning.measure.weight_read_rates`): a streaming
+    read, and one-row bf16/int8/int4 products."""
+    import torch
+
+    from hf_moe_offload.planning.measure import weight_read_rates
+
+    rates = weight_read_rates(threads=(threads or torch.get_num_threads(),))
+    return {kind.rsplit("_", 1)[0]: rate for kind, rate in rates.items()}
+
+
+def add_weight_reads(results: list[dict], shape: ModelShape, memory: dict[str, float]) -> None:
+    """Per row (in place): the weight bytes a decode step reads (every non-expert weight but the embedding, plus
+    the experts a step of `batch` tokens touches under uniform routing), the rate it read them at, and the decode
+    rate if they streamed at the measured memory read bandwidth (the bound when the model fits in RAM)."""
+    embedding = 2 * shape.vocab * shape.hidden
+    for r in succeeded(results):
+        touched = touched_share(shape, r["batch"]) * shape.experts * shape.layers
+        nbytes = shape.non_expert_bytes() - embedding + touched * shape.one_expert_bytes()
+        step_s = r["decode_s"] / max(1, r["decode_steps"])
+        r["weight_bytes_per_step"] = nbytes
+        r["weight_bytes_per_s"] = nbytes / step_s
+        r["memory_bound_tok_s"] = r["batch"] * memory["stream"] / nbytes
+        r["decode_over_memory_bound"] = r["decode_tok_s"] / r["memory_bound_tok_s"]
+
+
 def fmt(x: float | None, spec: str) -> str:
     return "–" if x is None else format(x, spec)
 
@@ -1480,7 +1508,7 @@ def markdown_table(results: list[dict]) -> str:
     header = ("| system | store | cap GiB | batch | load s | prefill tok/s | prefill / bound | decode tok/s | "
               "bound tok/s | decode / bound | decode / bound at median bw | vs accelerate | I/O ceiling tok/s | "
               "disk MB/step | floor MB/step | disk / floor | disk / fixed-set floor | disk busy | GB/s while busy | disk MB/token | moved MB/token | hit rate | peak RSS GiB | peak device GiB | "
-              "greedy tokens = ref | other CPU load |")
+              "weight MB/step | weight GB/s | / memory bound | greedy tokens = ref | other CPU load |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in sorted(results, key=row_order):
         cap = fmt(r["cap_bytes"] / GiB if r.get("cap_bytes") else None, "g")
@@ -1506,7 +1534,10 @@ def markdown_table(results: list[dict]) -> str:
             f"{r['read_bytes_per_token'] / 1e6:.1f}",
             mb(r["must_move_bytes_per_token"]), fmt(ours["decode_hit_rate"] if ours else None, ".0%"),
             f"{r['peak_rss_bytes'] / 2**30:.2f}",
-            fmt(r["peak_device_bytes"] / GiB if r.get("peak_device_bytes") else None, ".2f"), match,
+            fmt(r["peak_device_bytes"] / GiB if r.get("peak_device_bytes") else None, ".2f"),
+            mb(r.get("weight_bytes_per_step")),
+            fmt(r["weight_bytes_per_s"] / 1e9 if r.get("weight_bytes_per_s") else None, ".1f"),
+            ratio(r.get("decode_over_memory_bound")), match,
             f"{r['foreign_cpu_share']:.0%}",
         ]) + " |")
     return "\n".join(lines)
@@ -1904,6 +1935,9 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     store_reads = combine_bandwidth(store_reads, store_read_bandwidth(files))
     add_ceilings(results, bandwidth["bytes_per_s"])
     add_bounds(results, shape.one_expert_bytes(), store_reads["bytes_per_s"], store_reads["median_bytes_per_s"])
+    memory = memory_read_bandwidth(args.threads) if args.device == "cpu" else None
+    if memory:
+        add_weight_reads(results, shape, memory)
     meta = json.loads((path / MARKER).read_text())
     return {
         "command": shlex.join(["python", "scripts/bench.py", *argv]),
@@ -1920,6 +1954,7 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                      "estimates": estimates},
         "disk_bandwidth": bandwidth,             # sequential reads of the largest shard: for reference
         "store_read_bandwidth": store_reads,     # the store's kind of reads: the bound's bandwidth
+        "memory_read_bandwidth": memory,         # weight reads from RAM (bytes/s): the bound of in-RAM rows
         "results": results,
         "continuous_batching": batching,
         "total_wall_s": time.perf_counter() - started,
