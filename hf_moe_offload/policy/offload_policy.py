@@ -123,7 +123,9 @@ class OffloadPolicy:
                           'expert bytes ("25%", at most "100%"), or "auto" (device memory left after the resident '
                           'part, the KV cache and activations; see max_batch_size, max_seq_len). A size above all '
                           'expert bytes is capped to them. With device and store on the CPU, experts are used in '
-                          'place and a budget below 100% is refused (use store="disk"). A bare number string '
+                          'place and a budget below 100% is refused (use store="disk"); a GGUF, GPTQ, AWQ or '
+                          'compressed-tensors checkpoint\'s experts are not: the cache holds them dequantized, '
+                          'and the budget counts those dense bytes. A bare number string '
                           'below 1 MiB ("25": bytes) logs a warning that a share needs "%" ("25%").'},
     )
     eviction: str = field(
