@@ -365,9 +365,10 @@ def main() -> None:
     print(table)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.with_suffix(".json").write_text(json.dumps(report, indent=1) + "\n")
-        args.out.with_suffix(".md").write_text(table + "\n")
-        plot(settings, args.out.with_suffix(".png"))
+        out = str(args.out)                               # not with_suffix: "1.95gb" is no suffix
+        Path(out + ".json").write_text(json.dumps(report, indent=1) + "\n")
+        Path(out + ".md").write_text(table + "\n")
+        plot(settings, Path(out + ".png"))
 
 
 if __name__ == "__main__":

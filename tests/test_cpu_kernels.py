@@ -189,6 +189,7 @@ def test_default_threads_leave_the_busy_cores_and_respect_a_choice(monkeypatch):
     before = torch.get_num_threads()
     try:
         monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
         monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: before)
         monkeypatch.setattr(cpu_threads, "free_cores", lambda: 1)
         restore = cpu_threads.apply_default_threads()
@@ -196,6 +197,9 @@ def test_default_threads_leave_the_busy_cores_and_respect_a_choice(monkeypatch):
         if restore is not None:
             restore()
         assert torch.get_num_threads() == before
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")                         # sleeping waits keep every core
+        assert cpu_threads.apply_default_threads() is None and torch.get_num_threads() == before
+        monkeypatch.delenv("OMP_WAIT_POLICY")
         monkeypatch.setattr(cpu_threads, "usable_cpus", lambda: before + 1)      # the user set another count
         assert cpu_threads.apply_default_threads() is None and torch.get_num_threads() == before
         monkeypatch.setenv(cpu_threads.THREADS_ENV, "1")

@@ -7,8 +7,9 @@ in docs/benchmarks.md, "CPU kernels"); with one thread fewer, it costs that core
 has not chosen a thread count (`OMP_NUM_THREADS`, `HF_MOE_OFFLOAD_THREADS` or `torch.set_num_threads` to something
 other than torch's default), torch's thread count becomes the number of CPUs less the load other processes put on
 them (the 1-minute load average, rounded up), at least 1. `HF_MOE_OFFLOAD_THREADS=N` sets N instead; `disable()`
-puts the previous count back. OpenMP's wait policy (`OMP_WAIT_POLICY`) is read when the OpenMP runtime starts,
-before any library can set it: see docs/benchmarks.md for what it changes.
+puts the previous count back. OpenMP's wait policy is read when the OpenMP runtime starts, before any library can
+set it: a process started with `OMP_WAIT_POLICY=PASSIVE` (threads sleep at a barrier instead of spinning) keeps
+every core, which measured faster than fewer threads beside a busy process (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -60,6 +61,8 @@ def apply_default_threads() -> Callable[[], None] | None:
         threads = int(chosen)
     elif "OMP_NUM_THREADS" in os.environ or before != usable_cpus():
         return None                       # the user chose a thread count
+    elif os.environ.get("OMP_WAIT_POLICY", "").lower() == "passive":
+        return None                       # waiting threads sleep: every core keeps its speed beside a busy one
     else:
         threads = min(before, free_cores())
     if threads == before:
