@@ -108,10 +108,12 @@ def test_a_hit_does_not_dequantize_again(gguf_file, monkeypatch):
     original = GGUFSlabLayout.dequantize_into
     monkeypatch.setattr(GGUFSlabLayout, "dequantize_into",
                         lambda self, slab, out: (calls.append(1), original(self, slab, out))[1])
-    model = _gguf(gguf_file, {"device": "cpu", "store": "disk", "expert_cache": "100%"})
+    # No speculative loads: every read is a demand miss, finished when the forward returns.
+    model = _gguf(gguf_file, {"device": "cpu", "store": "disk", "expert_cache": "100%", "prefetch": "none",
+                              "schedule": "on_demand"})
     _logits(model)
     s = hf_moe_offload.stats(model)
-    assert len(calls) == s["misses"] + s["prefetch_issued"] > 0       # one dequantization per expert read
+    assert len(calls) == s["misses"] > 0                              # one dequantization per expert read
     hf_moe_offload.stats(model).reset()
     before = len(calls)
     _logits(model)
@@ -150,7 +152,7 @@ def test_gptq_dense_slots_equal_the_dequantized_model(tmp_path, monkeypatch):
     original = PackedSlabLayout.dequantize_into
     monkeypatch.setattr(PackedSlabLayout, "dequantize_into",
                         lambda self, slab, out: (calls.append(1), original(self, slab, out))[1])
-    model = _offloaded(packed, store="disk", expert_cache="40%")
+    model = _offloaded(packed, store="disk", expert_cache="40%", prefetch="none", schedule="on_demand")
     engine = hf_moe_offload.get_engine(model)
     assert isinstance(engine.store, DequantizingStore) and engine.cache.memory.dtype == model.dtype
     ref = AutoModelForCausalLM.from_pretrained(dense_path).eval()
@@ -158,5 +160,5 @@ def test_gptq_dense_slots_equal_the_dequantized_model(tmp_path, monkeypatch):
     kwargs = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
     s = hf_moe_offload.stats(model)
-    assert len(calls) == s["misses"] + s["prefetch_issued"] > 0
+    assert len(calls) == s["misses"] > 0                              # one dequantization per expert read
     _assert_slots_are_the_dequantized_experts(engine)
