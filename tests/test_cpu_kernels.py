@@ -83,6 +83,16 @@ def test_a_weight_written_in_place_is_packed_again():
         assert packed.packed_bytes == weight.nbytes
 
 
+def test_inference_tensors_are_packed_too():
+    with torch.inference_mode():
+        slab = torch.randn(2, 64 * 32).to(torch.bfloat16)
+        x = torch.randn(3, 32).to(torch.bfloat16)
+        with PrepackedWeights([slab], budget_bytes=1 << 20) as packed:
+            for _ in range(2):
+                assert torch.equal(linear(x, slab[1].view(64, 32)), F.linear(x, slab[1].view(64, 32)))
+            assert packed.packed_bytes == 64 * 32 * 2
+
+
 def test_three_dimensional_input_keeps_its_shape(no_compiled_gemv):
     slab = torch.randn(64 * 32).to(torch.bfloat16)
     x = torch.randn(2, 3, 32).to(torch.bfloat16)

@@ -108,7 +108,8 @@ class PrepackedWeights:
         None."""
         key = (weight.data_ptr(), weight.shape[0], weight.shape[1])
         found = self._packed.get(key)
-        if found is not None and found[1] == weight._version:
+        version = _version(weight)
+        if found is not None and found[1] == version:
             return found[0]
         if found is None and not self.owns(weight):
             return None
@@ -124,7 +125,7 @@ class PrepackedWeights:
                                 "rest computes through F.linear", self.budget_bytes)
                 return None
             copy = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            self._packed[key] = (copy, weight._version)
+            self._packed[key] = (copy, version)
             self.packed_bytes += nbytes
         return copy
 
@@ -143,6 +144,12 @@ class PrepackedWeights:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _version(weight: torch.Tensor) -> int:
+    """How often `weight`'s memory was written in place; -1 for an inference tensor, which keeps no count (made
+    under `torch.inference_mode`, it cannot be written outside it)."""
+    return -1 if weight.is_inference() else weight._version
 
 
 def _gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
