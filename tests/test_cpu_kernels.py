@@ -220,3 +220,43 @@ def test_default_threads_leave_the_busy_cores_and_respect_a_choice(monkeypatch):
             cpu_threads.apply_default_threads()
     finally:
         torch.set_num_threads(before)
+
+
+def test_this_processs_own_load_is_not_taken_for_a_neighbours(monkeypatch):
+    """The 1-minute load average counts this process too (its load just kept every core busy): what other
+    processes keep busy in a short sample bounds it, with this process's own CPU time taken out."""
+    from collections import namedtuple
+
+    from hf_moe_offload.memory import cpu_threads
+
+    Machine = namedtuple("Machine", "user system idle iowait")
+    Own = namedtuple("Own", "user system")
+    clock = {"machine": [Machine(0, 0, 0, 0), None], "own": [Own(0, 0), None]}
+
+    def sample(machine_busy: float, own_busy: float):       # cores busy over the window, all / this process's
+        window = cpu_threads.SAMPLE_S
+        clock["machine"][1] = Machine(machine_busy * window, 0, 1, 0)
+        clock["own"][1] = Own(own_busy * window, 0)
+        calls = {"machine": 0, "own": 0}
+
+        def machine_times():
+            calls["machine"] += 1
+            return clock["machine"][calls["machine"] - 1]
+
+        class Process:
+            def cpu_times(self):
+                calls["own"] += 1
+                return clock["own"][calls["own"] - 1]
+        monkeypatch.setattr(cpu_threads.psutil, "cpu_times", machine_times)
+        monkeypatch.setattr(cpu_threads.psutil, "Process", Process)
+        monkeypatch.setattr(cpu_threads.time, "sleep", lambda s: None)
+
+    sample(machine_busy=2.0, own_busy=2.0)                   # only this process was busy
+    assert cpu_threads.others_busy() == pytest.approx(0.0)
+    monkeypatch.setattr(cpu_threads.os, "getloadavg", lambda: (1.9, 1.0, 0.5))
+    sample(machine_busy=2.0, own_busy=2.0)
+    assert cpu_threads.free_cores(cpus=2) == 2               # its own loading does not cost it a thread
+    sample(machine_busy=2.0, own_busy=1.0)                   # a neighbour holds one core
+    assert cpu_threads.others_busy() == pytest.approx(1.0)
+    sample(machine_busy=2.0, own_busy=1.0)
+    assert cpu_threads.free_cores(cpus=2) == 1
