@@ -26,6 +26,7 @@ import bisect
 import logging
 import os
 import threading
+import weakref
 
 import psutil
 import torch
@@ -39,7 +40,9 @@ RESERVE_MIN_BYTES = 1 << 30      # ... and never less than this
 
 GEMV_ENV = "HF_MOE_OFFLOAD_CPU_GEMV"   # "1": the compiled one-row product (approximate)
 
-_ACTIVE: list["PrepackedWeights"] = []   # registrations live now; `linear` consults them
+# Registrations live now; `linear` consults them. Weak: a registration lives as long as its owner (the engine's
+# cache and stats) and goes with a model that is dropped without `disable()`, slabs and copies included.
+_ACTIVE: "weakref.WeakSet[PrepackedWeights]" = weakref.WeakSet()
 _ACTIVE_LOCK = threading.Lock()
 
 
@@ -85,7 +88,7 @@ class PrepackedWeights:
         self._lock = threading.Lock()
         self._full_logged = False
         with _ACTIVE_LOCK:
-            _ACTIVE.append(self)
+            _ACTIVE.add(self)
 
     @classmethod
     def for_store(cls, store) -> "PrepackedWeights | None":
@@ -132,8 +135,7 @@ class PrepackedWeights:
     def close(self) -> None:
         """Drop every packed copy and the registration (before the tensors are freed or written)."""
         with _ACTIVE_LOCK:
-            if self in _ACTIVE:
-                _ACTIVE.remove(self)
+            _ACTIVE.discard(self)
         with self._lock:
             self._packed.clear()
             self._tensors, self._starts, self._ends = [], [], []
