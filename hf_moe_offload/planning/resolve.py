@@ -104,8 +104,9 @@ def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, store: str, cach
                           where: str = "") -> int:
     """`micro_batches` as a number. "auto" is 1 (off): the slices pay only where one slice's host attention
     overlaps the previous slice's device experts (a GPU with CPU attention), they cost bytes (a layer's experts
-    stay in the cache until its last slice, so the resident set is smaller; +12% bytes per step at batch 32 on the
-    CPU benchmark), and the overlap has not been measured on a GPU yet. A number above 1 is checked: the cache
+    stay in the cache until its last slice, so the resident set is smaller: docs/benchmarks.md), and on CUDA the
+    slices' overlap is not built yet (a blocking copy of the next slice's activations waits for the previous
+    slice's experts). A number above 1 is checked: the cache
     must hold a whole layer's experts beside the resident layers' (`where`: the device whose share `cache_bytes`
     is, for the message).
 
@@ -250,7 +251,7 @@ def check_placement(policy: Any, layer_experts: Sequence[int], slab_bytes: int, 
         >>> from hf_moe_offload.policy.offload_policy import OffloadPolicy
         >>> check_placement(OffloadPolicy(resident_layers=1), [8, 8], 100, 2, 1000, False)
         1000
-        >>> check_placement(OffloadPolicy(resident_layers=1), [8, 8], 100, 2, 900, False)
+        >>> check_placement(OffloadPolicy(resident_layers=1), [8, 8], 100, 2, 900, False)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         hf_moe_offload.policy.offload_policy.PolicyError: expert_cache=900 B cannot hold resident_layers=1 ...
