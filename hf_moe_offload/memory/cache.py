@@ -463,17 +463,21 @@ class _LayerFetch:
 
 
 def fetch_landed(cache: ExpertCache, layer: int, experts: Sequence[int],
-                 on_pinned: Callable[[], None] | None = None) -> Iterator[tuple[list[int], torch.Tensor]]:
+                 announce: Callable[[], Callable[[], None] | None] | None = None
+                 ) -> Iterator[tuple[list[int], torch.Tensor]]:
     """A fetch of a layer whose experts have all landed in slots: yields once (the slot of each expert, the slot
     memory [slots, slot_numel]) for one grouped computation over the slots, and drops the pins when resumed (the
     consumer's kernels are queued by then, so each slot's release follows them). Yields nothing, and records
-    nothing, when an expert is missing or still loading, or the cache serves in place: then `fetch` serves it."""
+    nothing, when an expert is missing or still loading, or the cache serves in place: then `fetch` serves it.
+    `announce` runs once the experts are known to have landed, before anything is pinned (the caller's
+    bookkeeping of the layer's forward); it returns the `on_pinned` callback, as `fetch` takes one."""
     if cache.zero_copy:
         return
     with cache.lock:
         resident = cache.table.resident
         if any(resident.get((layer, e)) is None or resident[(layer, e)].load is not None for e in experts):
             return
+        on_pinned = announce() if announce is not None else None
         fetch = _LayerFetch(cache, layer, experts, None)
         try:
             fetch.top_up(served=0)               # the read-ahead for later layers starts now, as in `fetch`

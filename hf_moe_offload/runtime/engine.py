@@ -61,23 +61,30 @@ class LayerRuntime:
         index = self.layer.index
         cache = self.engine.cache
         cache = cache.by_layer[index] if isinstance(cache, CacheGroup) else cache
-        layout = self.engine.store.layouts[index]
         micro_batch = microbatch.current()
-        if cache.zero_copy or cache.memory.dim() != 2 or not isinstance(layout, SlabLayout) or (
-                micro_batch is not None and not micro_batch.last):
+        if cache.zero_copy or (micro_batch is not None and not micro_batch.last):
             return
-        stacked = layout.stacked_views(cache.memory[:, :layout.numel])
-        # Grouped kernels read each weight from a 16-byte aligned start, at a 16-byte multiple stride.
+        stacked = self._stacked_slots(cache.memory)
+        if stacked is None:
+            return
+        landed = False
+        for slots, _ in fetch_landed(cache, index, experts, lambda: self._announce(experts, hidden_states)):
+            landed = True
+            yield slots, stacked
+        if landed:
+            self._finish()
+
+    def _stacked_slots(self, memory: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """This layer's weights over every slot of the cache's `memory`, stacked by name (views), or None where the
+        grouped kernels cannot read them: quantized slabs, no slots, or a weight that does not start 16-byte
+        aligned at a 16-byte multiple stride. Made per call: views kept here would keep a closed cache's memory."""
+        layout = self.engine.store.layouts[self.layer.index]
+        if not isinstance(layout, SlabLayout) or memory.dim() != 2:
+            return None
+        stacked = layout.stacked_views(memory[:, :layout.numel])
         if any(w.data_ptr() % 16 or w.stride(0) * w.element_size() % 16 for w in stacked.values()):
-            return
-        with cache.lock:                         # re-entrant: `fetch_landed` below checks again under it
-            if not all((index, e) in cache.table.resident and cache.table.resident[(index, e)].load is None
-                       for e in experts):
-                return
-            on_pinned = self._announce(experts, hidden_states)
-            for slots, _ in fetch_landed(cache, index, experts, on_pinned):
-                yield slots, stacked
-        self._finish()
+            return None
+        return stacked
 
     def _announce(self, experts: Sequence[int], hidden_states: torch.Tensor | None) -> Callable[[], None] | None:
         """Count the layer's forward and tell the hooks its input and route; the `on_pinned` callback to give the
