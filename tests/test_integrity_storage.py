@@ -306,3 +306,16 @@ def test_temporary_folders_of_killed_processes_are_removed_at_the_next_start(tmp
 class _Layer:
     def __init__(self, layout, num_experts):
         self.layout, self.num_experts, self.index = layout, num_experts, 0
+
+
+def test_a_temporary_folders_random_part_may_hold_underscores(tmp_path, monkeypatch):
+    """mkdtemp's random part may end in "_": the folder keeps all of it, so two such folders do not collide."""
+    monkeypatch.setattr(folders.tempfile, "tempdir", str(tmp_path))
+    real_mkdtemp = folders.tempfile.mkdtemp
+    names = iter(["ab_", "cd_"])
+    monkeypatch.setattr(folders.tempfile, "mkdtemp",
+                        lambda prefix, dir: real_mkdtemp(prefix=prefix + next(names), dir=dir, suffix="_"))
+    first, second = folders.temporary_folder(), folders.temporary_folder()
+    assert first != second and os.path.isdir(first) and os.path.isdir(second)
+    folders.remove_folder(first)
+    folders.remove_folder(second)

@@ -179,12 +179,14 @@ def temporary_folder() -> str:
     remove_orphaned_folders()
     base = tempfile.gettempdir()
     # Made under another prefix and renamed once locked: a concurrent scan never sees it unlocked.
-    staging = tempfile.mkdtemp(prefix=f".{TEMP_FOLDER_PREFIX}new_", dir=base)
+    staging_prefix = f".{TEMP_FOLDER_PREFIX}new_"
+    staging = tempfile.mkdtemp(prefix=staging_prefix, dir=base)
     fd = os.open(os.path.join(staging, OWNER_FILE), os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                  | os.O_CLOEXEC, 0o600)
     fcntl.flock(fd, fcntl.LOCK_EX)
     os.write(fd, f"{os.getpid()}\n".encode())
-    folder = os.path.join(base, TEMP_FOLDER_PREFIX + os.path.basename(staging).rsplit("_", 1)[-1])
+    # The random part whole: it may itself hold "_" (mkdtemp draws letters, digits and "_").
+    folder = os.path.join(base, TEMP_FOLDER_PREFIX + os.path.basename(staging)[len(staging_prefix):])
     os.rename(staging, folder)
     _owner_fds[folder] = fd
     return folder
