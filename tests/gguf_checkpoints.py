@@ -9,7 +9,8 @@ with finite, small fp16 scales: valid blocks that decode to weights of a plausib
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
@@ -66,13 +67,71 @@ def values(shape: tuple[int, ...], qtype: Q, rng: np.random.Generator, scale: fl
 ExpertTypes = Callable[[int], tuple[Q, Q, Q]]
 
 
+@dataclass(frozen=True)
+class Vocab:
+    """A tokenizer as GGUF metadata (llama.cpp's `tokenizer.ggml.*` keys): llama.cpp refuses a file without one,
+    and transformers builds `AutoTokenizer.from_pretrained(dir, gguf_file=...)` from it."""
+
+    model: str                                     # "llama" (sentencepiece) or "gpt2" (byte-level BPE)
+    tokens: list[str]
+    types: list[int]                               # gguf.TokenType values
+    merges: list[str] = field(default_factory=list)
+    bos: int = 1
+    eos: int = 2
+    unk: int | None = 0
+    pad: int | None = None
+    add_bos: bool = True
+
+
+def stand_in_vocab(size: int) -> Vocab:
+    """A sentencepiece vocabulary of `size` made-up tokens (<unk>, <s>, </s>, the 256 byte tokens, then "t0",
+    "t1", ...), for files whose prompts are token ids."""
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{i:02X}>" for i in range(256)]
+    tokens += [f"t{i}" for i in range(size - len(tokens))]
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL] + [gguf.TokenType.BYTE] * 256
+    return Vocab("llama", tokens, [int(t) for t in types] + [int(gguf.TokenType.NORMAL)] * (size - len(types)))
+
+
+def byte_level_vocab(tokenizer) -> Vocab:
+    """A transformers fast tokenizer over a byte-level BPE model (tests/test_eval_support.py's) as a "gpt2" GGUF
+    vocabulary: its tokens in id order, its merges, its special tokens as control tokens."""
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    merges = json.loads(tokenizer.backend_tokenizer.to_str())["model"]["merges"]
+    special = set(tokenizer.all_special_ids)
+    types = [int(gguf.TokenType.CONTROL if i in special else gguf.TokenType.NORMAL) for i in range(len(tokens))]
+    return Vocab("gpt2", tokens, types, [m if isinstance(m, str) else " ".join(m) for m in merges],
+                 bos=tokenizer.bos_token_id, eos=tokenizer.eos_token_id, unk=tokenizer.unk_token_id,
+                 pad=tokenizer.pad_token_id)
+
+
+def _add_vocab(w: gguf.GGUFWriter, vocab: Vocab) -> None:
+    w.add_tokenizer_model(vocab.model)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    if vocab.model == "llama":
+        w.add_token_scores([0.0] * len(vocab.tokens))
+    if vocab.merges:
+        w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.bos)
+    w.add_eos_token_id(vocab.eos)
+    if vocab.unk is not None:
+        w.add_unk_token_id(vocab.unk)
+    if vocab.pad is not None:
+        w.add_pad_token_id(vocab.pad)
+    w.add_add_bos_token(vocab.add_bos)
+
+
 def write_gguf(path: str, arch: str = "qwen3moe", dims: Dims = Dims(), experts: ExpertTypes = lambda b: (Q.Q8_0,) * 3,
-               other: Q = Q.Q8_0, split_max_tensors: int = 0, seed: int = 0, quantize: bool = True) -> None:
+               other: Q = Q.Q8_0, split_max_tensors: int = 0, seed: int = 0, quantize: bool = True,
+               vocab: Vocab | None = None) -> None:
     """Write a random MoE checkpoint of `arch` ("qwen3moe", "qwen2moe", or "llama" with experts: Mixtral's
     layout) to `path`; `experts(block)` gives the (gate, up, down) types of a block, `other` the type of the
-    embeddings, output and attention matrices. `split_max_tensors` writes llama.cpp's split files instead."""
+    embeddings, output and attention matrices. `split_max_tensors` writes llama.cpp's split files instead.
+    `vocab` adds a tokenizer (of `dims.vocab` tokens); without one the file has none."""
     rng = np.random.default_rng(seed)
     d = dims
+    if vocab is not None and len(vocab.tokens) != d.vocab:
+        raise ValueError(f"vocab has {len(vocab.tokens)} tokens; the model's vocabulary is dims.vocab={d.vocab}")
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     w.add_block_count(d.layers)
     w.add_context_length(512)
@@ -88,6 +147,8 @@ def write_gguf(path: str, arch: str = "qwen3moe", dims: Dims = Dims(), experts: 
     w.add_expert_used_count(d.top_k)
     w.add_expert_feed_forward_length(d.expert_width)
     w.add_vocab_size(d.vocab)
+    if vocab is not None:
+        _add_vocab(w, vocab)
 
     def add(name: str, shape: tuple[int, ...], qtype: Q, scale: float = 0.05) -> None:
         array, raw = values(shape, qtype, rng, scale, quantize)
