@@ -105,7 +105,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 QUANTIZATIONS = ("int8", "int4")
 DENSE_SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_layer")
 # Opt-in rows (--systems ...): look-ahead eviction; quantized experts at the dense rows' byte budget (more experts fit).
-EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", *(f"hf_moe_offload_{q}_same_bytes" for q in QUANTIZATIONS),
+EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", "hf_moe_offload_readahead",
+                 *(f"hf_moe_offload_{q}_same_bytes" for q in QUANTIZATIONS),
                  "hf_moe_offload_cpu_compute", "hf_moe_offload_auto_compute",    # expert_compute: for --device cuda
                  # CPU attention, whole batch or in two micro-batches (CGOPipe's overlap): for --device cuda
                  "hf_moe_offload_cpu_attention", "hf_moe_offload_cpu_attention_mb2",
@@ -119,6 +120,8 @@ POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLIC
             **{f"hf_moe_offload_{q}_same_bytes": {**OURS_POLICY, "eviction": "layer", "quantize": q}
                for q in QUANTIZATIONS},
             "hf_moe_offload_lookahead": {**OURS_POLICY, "eviction": "lookahead"},
+            # The next layer's router guesses read ahead at every layer (into the staging room), whatever they score.
+            "hf_moe_offload_readahead": {**OURS_POLICY, "eviction": "layer", "prefetch": "lookahead"},
             # A missing expert computes on the CPU from the host copy ("cpu"), or where the measured costs say ("auto").
             "hf_moe_offload_cpu_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "cpu"},
             "hf_moe_offload_auto_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "auto"},

@@ -28,6 +28,7 @@ from .pass_state import PassState
 from .placement import ExpertPlacement
 from .slots import Slot, SlotTable
 from .stall_clock import StallClock
+from .staging import StagingRoom
 from .stream_order import StreamOrder
 from ..policy.offload_policy import EXPERT_COMPUTES, PolicyError
 from ..stats import OffloadStats
@@ -86,6 +87,7 @@ class ExpertCache:
         self.table = SlotTable(self.num_slots)
         self.lock = lock if lock is not None else threading.RLock()
         self.pass_state = PassState(len(store.layouts))
+        self.staging = StagingRoom(self.table, self.pass_state, self.num_slots)
         self.held_pins = HeldPins()
         self.stalls = StallClock(device, stats)
         if self.resident_layers:
@@ -215,7 +217,11 @@ class ExpertCache:
         """Load queued next-layer experts into the window's remaining room, as prefetches."""
         state = self.pass_state
         demand = in_flight if state.window is not None else 0     # a streamed layer shares its window
-        room = state.ahead_room - demand - self.table.unused_prefetches
+        if not state.ahead:
+            return
+        # Staging: the guesses of layers that have run are judged (wrong), and their slots are the next guesses'.
+        unused = self.staging.guesses_of(state.ahead[0][0]) if self.staging.room() else self.table.unused_prefetches
+        room = state.ahead_room - demand - unused
         while state.ahead and room > 0:
             if state.ahead[0] in self.table.resident:
                 state.ahead.pop(0)
@@ -227,7 +233,10 @@ class ExpertCache:
 
     def _load_speculative(self, key: Key, readahead: bool) -> bool:
         """Start loading `key` before anyone asked for it, if a slot can be had without displacing a sure use."""
-        slot = self._free_slot(self.pass_state.current_layer, speculative_for=key[0])
+        if readahead and self.staging.room():
+            slot = _staging_slot(self, key[0])
+        else:
+            slot = self._free_slot(self.pass_state.current_layer, speculative_for=key[0])
         if slot is None:
             return False
         self._load(slot, key, demand=False)
@@ -253,9 +262,13 @@ class ExpertCache:
             for slot in table.unwaited():        # prefetches nobody waited for: once landed, ordinary residents
                 if slot.load is not None and slot.pins == 0 and SlotTable.has_landed(slot):
                     self._wait_quietly(slot)
-        if table.free:
+        # While guesses are read ahead, demand loads leave the staging room to them (`_staging_room`).
+        keep_guesses = speculative_for is None and self.staging.regular_full()
+        if table.free and not keep_guesses:
             return table.free.pop()
-        victim = self._victim(layer, speculative_for)
+        victim = _victim(self, layer, speculative_for, keep_guesses)
+        if victim is None and table.free:
+            return table.free.pop()
         if victim is None and speculative_for is None:
             # Demand beats prefetch: let an unused prefetch still in flight land, then it may be evicted.
             in_flight = [s for s in table.unwaited() if s.pins == 0]
@@ -263,31 +276,17 @@ class ExpertCache:
                 self._wait_quietly(in_flight[0])
                 if table.free:                   # its read failed: the slot is free already
                     return table.free.pop()
-                victim = self._victim(layer)
+                victim = _victim(self, layer)
         if victim is None:
             return None
-        self.stats.record_eviction(victim.key[0])
-        if table.is_prefetched(victim):
-            self.stats.record_prefetch_wasted(victim.key[0])
-        self._forget(victim)
+        self._evict(victim)
         return victim
 
-    def _victim(self, layer: int, speculative_for: int | None = None) -> Slot | None:
-        """Which unpinned, landed expert leaves to make room while `layer` computes; none of a layer held for its
-        next micro-batch. A speculative load never evicts another unused one, nor an expert whose layer comes up no
-        later than its own (that would trade a sure use for a guess)."""
-        table, state = self.table, self.pass_state
-
-        def evictable(key: Key) -> bool:
-            slot = table.resident[key]
-            if slot.pins or slot.load is not None or self.held_pins.protects(key[0]):
-                return False
-            return speculative_for is None or (not table.is_prefetched(slot)
-                                               and state.needed_after(key[0], speculative_for))
-
-        policy = self.eviction if state.window is None else self.stream_eviction
-        key = policy.select(table.recency, layer, evictable)
-        return None if key is None else table.resident[key]
+    def _evict(self, slot: Slot) -> None:
+        self.stats.record_eviction(slot.key[0])
+        if self.table.is_prefetched(slot):
+            self.stats.record_prefetch_wasted(slot.key[0])
+        self._forget(slot)
 
     def _forget(self, slot: Slot) -> None:
         """Evict the slot's key (kept as a method so that tests can watch evictions)."""
@@ -460,6 +459,37 @@ class _LayerFetch:
                 issued[start], issued[i] = issued[i], issued[start]
                 break
         return issued[start]
+
+
+def _staging_slot(cache: ExpertCache, layer: int) -> Slot | None:
+    """A slot for a read-ahead guess of `layer` (`StagingRoom.take`); a wrong guess it held leaves."""
+    slot = cache.staging.take(layer, cache._wait_quietly)
+    if slot is not None and slot.key is not None:
+        cache._evict(slot)
+    if slot is None and cache.staging.overdrawn():
+        slot = cache._free_slot(cache.pass_state.current_layer, speculative_for=layer)
+    return slot
+
+
+def _victim(cache: ExpertCache, layer: int, speculative_for: int | None = None, keep_guesses: bool = False
+            ) -> Slot | None:
+    """Which unpinned, landed expert leaves to make room while `layer` computes; none of a layer held for its next
+    micro-batch, nor an unused guess when `keep_guesses`. A speculative load never evicts another unused one, nor an
+    expert whose layer comes up no later than its own (that would trade a sure use for a guess)."""
+    table, state = cache.table, cache.pass_state
+
+    def evictable(key: Key) -> bool:
+        slot = table.resident[key]
+        if slot.pins or slot.load is not None or cache.held_pins.protects(key[0]):
+            return False
+        if keep_guesses and table.is_prefetched(slot):
+            return False
+        return speculative_for is None or (not table.is_prefetched(slot)
+                                           and state.needed_after(key[0], speculative_for))
+
+    policy = cache.eviction if state.window is None else cache.stream_eviction
+    key = policy.select(table.recency, layer, evictable)
+    return None if key is None else table.resident[key]
 
 
 def fetch_landed(cache: ExpertCache, layer: int, experts: Sequence[int],

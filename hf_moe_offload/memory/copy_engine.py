@@ -7,7 +7,8 @@
 - `CpuCopyEngine`: the CPU twin, for machines without a GPU: reader threads fill CPU cache slots, so disk reads
   overlap with expert compute on the CPU.
 
-Both serve demand loads before queued prefetch loads (`load(..., demand=False)`), and a failed read is raised by
+Both serve demand loads before queued prefetch loads (`load(..., demand=False)`; a prefetch's disk read yields to
+demand reads between its chunks: `storage/read_priority.py`), and a failed read is raised by
 every `wait()` of its handle while the engine goes on serving other loads. Each engine measures its own copies
 (`meter`, a `TransferMeter`): the host-to-device bandwidth that `expert_compute="auto"` weighs against
 CPU compute. `read_host` reads an expert into a host buffer on the same readers, for an expert computed on the CPU.
@@ -20,17 +21,17 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import heapq
 import itertools
 import queue
 import threading
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any, Callable, Sequence
 
 import torch
 
+from ..storage.read_priority import PriorityReaders
 from ..storage.store import ExpertStore, HostMemory
 
 EWMA = 0.3                 # weight of a new transfer measurement
@@ -79,51 +80,6 @@ class TransferMeter:
                     return
                 start, end, nbytes = self._pending.popleft()
             self.record(nbytes, start.elapsed_time(end) / 1e3)
-
-
-class PriorityReaders:
-    """A thread pool that runs demand jobs before queued prefetch jobs, first come first served within each.
-
-    Each submission queues the job on a heap and wakes one worker, which runs the best job queued at that moment.
-    The workers are a `ThreadPoolExecutor`'s: they exit once this object is closed or garbage-collected.
-
-    Example:
-        >>> readers = PriorityReaders(1)
-        >>> readers.submit(lambda: 42, demand=True).result()
-        42
-        >>> readers.close()
-    """
-
-    def __init__(self, workers: int):
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf_moe_offload_copy")
-        self._jobs: list[tuple[int, int, Callable[[], Any], Future]] = []
-        self._lock = threading.Lock()
-        self._order = itertools.count()
-
-    def submit(self, job: Callable[[], Any], demand: bool) -> Future:
-        future: Future = Future()
-        with self._lock:
-            heapq.heappush(self._jobs, (0 if demand else 1, next(self._order), job, future))
-        self._pool.submit(_run_best, self._jobs, self._lock)
-        return future
-
-    def close(self) -> None:
-        """Run every queued job, then stop the threads."""
-        self._pool.shutdown(wait=True)
-
-
-def _run_best(jobs: list, lock: threading.Lock) -> None:
-    """Run the highest-priority queued job and settle its future (a module function: workers hold no engine)."""
-    with lock:
-        _, _, job, future = heapq.heappop(jobs)
-    if not future.set_running_or_notify_cancel():
-        return
-    try:
-        result = job()
-    except BaseException as err:   # the waiter re-raises it; the worker stays alive for the next job
-        future.set_exception(err)
-    else:
-        future.set_result(result)
 
 
 class ReadClock:

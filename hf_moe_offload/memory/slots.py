@@ -90,6 +90,10 @@ class SlotTable:
         else:
             self._prefetched.discard(slot)
 
+    def prefetched(self) -> list[Slot]:
+        """The slots filled by a prefetch that no fetch has used yet."""
+        return list(self._prefetched)
+
     @property
     def unused_prefetches(self) -> int:
         return len(self._prefetched)

@@ -1,0 +1,106 @@
+"""Read-ahead guesses of an on-demand pass land in the staging room and never evict a resident expert; speculative
+reads yield to demand reads, down to their chunks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from hf_moe_offload.memory.cache import ExpertCache
+from hf_moe_offload.memory.eviction import make_eviction
+from hf_moe_offload.stats import OffloadStats
+from hf_moe_offload.storage import store as store_module
+from hf_moe_offload.storage.read_priority import PriorityReaders, reading_speculatively, speculative
+from test_streaming import NUMEL, LayeredStore
+
+
+def _cache(slots: int, layers: int = 3, experts: int = 8):
+    store = LayeredStore(layers, experts)
+    stats = OffloadStats(layers, 0)
+    return ExpertCache(store, torch.device("cpu"), slots * NUMEL * 4, make_eviction("layer", layers), stats), store
+
+
+def _pass(cache: ExpertCache, routes: dict[int, list[int]], guesses: dict[int, list[int]]) -> None:
+    """One on-demand pass that reads the next layer's guesses ahead while each layer computes."""
+    cache.begin_pass(None, ahead_room=2)
+    for layer in sorted(routes):
+        if layer + 1 in guesses:
+            cache.read_ahead(layer + 1, guesses[layer + 1])
+        for e, slab in cache.fetch(layer, routes[layer]):
+            assert torch.all(slab == 100 * layer + e)
+
+
+def test_wrong_guesses_never_evict_a_resident_expert():
+    cache, store = _cache(slots=8, experts=12)
+    routes = {0: [0, 1], 1: [0, 1], 2: [0, 1]}
+    cache.begin_pass(None)                              # no read-ahead: the pass fills the cache on demand
+    for layer, experts in routes.items():
+        list(cache.fetch(layer, experts))
+    residents = set(cache.resident)
+    assert len(residents) == 6
+    for i in range(6):                                  # every guess wrong, and new at every pass
+        wrong = [6 + 2 * (i % 3), 7 + 2 * (i % 3)]
+        _pass(cache, routes, {1: wrong, 2: wrong})
+        assert residents <= set(cache.resident)         # the routed experts stayed
+    reads = [r for r in store.reads if r[1] < 6]
+    assert len(reads) == 6                              # each routed expert read once, at the first pass
+    snap = cache.stats.snapshot()
+    assert snap["readahead_issued"] > 0 and snap["prefetch_wasted"] > 0 and snap["prefetch_hits"] == 0
+    assert len(cache.resident) <= cache.num_slots
+
+
+def test_right_guesses_are_read_ahead_and_demand_loads_leave_the_room_free():
+    cache, store = _cache(slots=8, experts=16)
+    for step in range(6):                               # every pass routes new experts: each one is a miss
+        routes = {layer: [2 * step, 2 * step + 1] for layer in range(3)}
+        _pass(cache, routes, {1: routes[1], 2: routes[2]})
+        assert len(cache.resident) <= cache.num_slots
+    snap = cache.stats.snapshot()
+    # Layers 1 and 2 of every pass were read ahead, so only layer 0 misses on demand.
+    assert snap["prefetch_hits"] == snap["readahead_issued"] == 6 * 4
+    assert snap["prefetch_wasted"] == 0
+
+
+def test_a_guess_waits_for_a_demand_read_between_jobs_and_chunks():
+    readers = PriorityReaders(1)
+    gate, order = threading.Event(), []
+    readers.submit(gate.wait, demand=True)              # holds the only worker
+    later = [readers.submit(lambda: order.append(("guess", reading_speculatively())), demand=False),
+             readers.submit(lambda: order.append(("demand", reading_speculatively())), demand=True)]
+    gate.set()
+    for future in later:
+        future.result()
+    assert order == [("demand", False), ("guess", True)]
+    readers.close()
+
+
+def test_disk_store_queues_a_speculative_reads_chunks_behind_demand_chunks(monkeypatch):
+    order, lock = [], threading.Lock()
+
+    def fake_pread(rng, buffer, fd):
+        time.sleep(0.002)
+        with lock:
+            order.append(rng)
+
+    monkeypatch.setattr(store_module, "pread_exact", fake_pread)
+    monkeypatch.setattr(store_module, "CHUNK_READERS", 1)
+    disk = store_module.DiskStore.__new__(store_module.DiskStore)     # only the chunk reader is exercised
+    disk._chunk_pool, disk._fds_lock = None, threading.Lock()
+    guess = [(("guess", i), None, 0) for i in range(6)]
+    demand = [(("demand", i), None, 0) for i in range(3)]
+
+    def read_guess():
+        with speculative():
+            disk._read_chunks(guess)
+
+    reader = threading.Thread(target=read_guess)
+    reader.start()
+    time.sleep(0.005)                                   # the guess's chunks are queued, one is being read
+    disk._read_chunks(demand)
+    done_demand = len(order)
+    reader.join()
+    assert [r for r in order if r[0] == "demand"] == [("demand", i) for i in range(3)]
+    assert done_demand < len(guess) + len(demand)       # the demand read finished before the guess did
+    assert sorted(order) == sorted(r for r, _, _ in guess + demand)
