@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..arch.routing import RouterKind
 from ..layout import MoELayer
+from ..memory.cache import ExpertCache
 from ..memory.eviction import LookAhead
 from ..policy.offload_policy import AUTO
 
@@ -71,8 +72,9 @@ class LookaheadGate:
     - a used guess was going to be read anyway, as a demand miss of the next layer; reading it early hides at most
       the part of that read the demand path leaves exposed: it saves `hit_saves * t` (`hit_saves` <= 1; 1 assumes
       the whole read would have stalled, the most favourable case for look-ahead);
-    - a wasted guess costs its own read, `t`, on the same link as the demand reads after it, and takes a slot
-      whose resident expert is then read again with about the cache's hit rate `h`: `(1 + h) * t`.
+    - a wasted guess costs its own read, `t`, on the same link as the demand reads after it, and, where the cache
+      has no staging room for guesses (`displaces`), takes a slot whose resident expert is then read again with
+      about the cache's hit rate `h`: `(1 + h) * t` (`h` counts as 0 where guesses are staged).
     It pays when precision `p > (1 + h) / (1 + h + hit_saves)`. `hit_saves` starts at 1 and then follows the
     measured exposure (`measured_exposure`, fed by the look-ahead every few misses). The precision and `h` are
     measured over the last `window` guesses (h over the routed experts that were not guessed, so the look-ahead's
@@ -95,6 +97,8 @@ class LookaheadGate:
         self.window, self.min_guesses, self.hit_saves, self.hysteresis = window, min_guesses, hit_saves, hysteresis
         self.exposure_measured = False     # whether `hit_saves` comes from a measurement yet
         self.require_exposure = False      # stay off until it does (set where the exposure can be measured)
+        # Whether a wasted guess evicts a resident expert; not where the cache stages guesses (`memory/staging.py`).
+        self.displaces = True
         self.guesses: deque[bool] = deque(maxlen=window)      # per non-resident guess: did the router choose it
         self.routed: deque[bool] = deque(maxlen=window)       # per routed, unguessed expert: was it resident
         self.on = False
@@ -109,7 +113,7 @@ class LookaheadGate:
 
     @property
     def break_even(self) -> float:
-        h = self.hit_rate
+        h = self.hit_rate if self.displaces else 0.0     # staged: a wasted guess costs its own read only
         return (1.0 + h) / (1.0 + h + self.hit_saves)
 
     def measured_exposure(self, stall_per_miss_s: float, read_s: float) -> None:
@@ -209,6 +213,8 @@ class RouterLookahead:
         self.cache, self.counters, self.layers = engine.cache, engine.stats, layers
         self.prefetch = engine.policy.prefetch   # "lookahead": always read ahead on demand; "auto": while it pays
         self.gate = (gate or LookaheadGate()) if self.prefetch == AUTO else None
+        if self.gate is not None and gate is None:
+            self.gate.displaces = not isinstance(self.cache, ExpertCache) or self.cache.staging.holds_guesses
         eviction = engine.cache.eviction
         self.eviction = eviction if isinstance(eviction, LookAhead) else None   # fed this pass's guesses
         if self.prefetch == "lookahead" or self.eviction is not None:
