@@ -1571,11 +1571,15 @@ COLORS = {"resident": "#7f7f7f", "accelerate": "#d62728", "hf_moe_offload": "#1f
           "hf_moe_offload_layer": "#2ca02c", "hf_moe_offload_int8": "#9467bd", "hf_moe_offload_int4": "#ff7f0e",
           "hf_moe_offload_int8_same_bytes": "#8c564b", "hf_moe_offload_int4_same_bytes": "#e377c2",
           "hf_moe_offload_lookahead": "#17becf", "hf_moe_offload_cpu_compute": "#bcbd22",
-          "hf_moe_offload_auto_compute": "#393b79"}
+          "hf_moe_offload_auto_compute": "#393b79", "hf_moe_offload_readahead": "#637939",
+          "hf_moe_offload_cpu_attention": "#843c39", "hf_moe_offload_cpu_attention_mb2": "#d6616b",
+          "hf_moe_offload_cpu_store": "#7b4173"}
 CACHE_COLORS = {"hf_moe_offload": "#9ecae1", "hf_moe_offload_layer": "#a1d99b", "hf_moe_offload_int8": "#c5b0d5",
                 "hf_moe_offload_int4": "#ffbb78", "hf_moe_offload_int8_same_bytes": "#c49c94",
                 "hf_moe_offload_int4_same_bytes": "#f7b6d2", "hf_moe_offload_lookahead": "#9edae5",
-                "hf_moe_offload_cpu_compute": "#dbdb8d", "hf_moe_offload_auto_compute": "#6b6ecf"}
+                "hf_moe_offload_cpu_compute": "#dbdb8d", "hf_moe_offload_auto_compute": "#6b6ecf",
+                "hf_moe_offload_readahead": "#b5cf6b", "hf_moe_offload_cpu_attention": "#ad494a",
+                "hf_moe_offload_cpu_attention_mb2": "#e7969c", "hf_moe_offload_cpu_store": "#a55194"}
 Group = tuple[int, "str | None", "int | None"]       # (batch, store, cap bytes)
 
 
