@@ -14,7 +14,8 @@ import torch
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is in the test extra: pip install -e '.[test]'")
 
-from test_eval_support import STREAMING, build_eval_model
+from gguf_checkpoints import Q4_K_M, byte_level_vocab, write_gguf
+from test_eval_support import STREAMING, build_eval_model, train_tokenizer
 
 import hf_moe_offload
 from hf_moe_offload import PolicyError
@@ -134,6 +135,35 @@ def test_hflm_over_an_offloaded_model_matches_unpatched(eval_model, reference, t
     assert hf_moe_offload.stats(model)["misses"] > 0
 
 
+@pytest.fixture(scope="module")
+def gguf_folder(tmp_path_factory) -> str:
+    """A tiny Qwen3-MoE GGUF file (Q4_K_M experts) whose vocabulary is the evaluation tokenizer's."""
+    pytest.importorskip("gguf", reason="the gguf extra: pip install -e '.[gguf]'")
+    folder = tmp_path_factory.mktemp("eval_gguf")
+    write_gguf(str(folder / "tiny-Q4_K_M.gguf"), experts=Q4_K_M, vocab=byte_level_vocab(train_tokenizer()))
+    return str(folder)
+
+
+def test_gguf_file_evaluates_like_the_librarys_direct_gguf_load(gguf_folder, tasks):
+    """`gguf_file=` goes to the library's GGUF load (experts offloaded in their blocks, streamed from disk) and the
+    tokenizer comes from the file: loglikelihood and generate_until give what HFLM gives over
+    `hf_moe_offload.from_pretrained(dir, gguf_file=..., offload_policy=...)`."""
+    from lm_eval.models.huggingface import HFLM
+    from transformers import AutoTokenizer
+
+    policy = {"device": "cpu", "store": "disk", "expert_cache": "30%"}
+    results = run_simple(tasks, MODEL_NAME, f"pretrained={gguf_folder},gguf_file=tiny-Q4_K_M.gguf,"
+                                            f"offload_device=cpu,store=disk,expert_cache=30%")
+    model = hf_moe_offload.from_pretrained(gguf_folder, policy, gguf_file="tiny-Q4_K_M.gguf")
+    tokenizer = AutoTokenizer.from_pretrained(gguf_folder, gguf_file="tiny-Q4_K_M.gguf")
+    reference = run_simple(tasks, HFLM(pretrained=model, tokenizer=tokenizer, batch_size=16))
+    assert_same_results(metrics(results), metrics(reference))
+    assert_same_outputs(sample_outputs(results["samples"]), sample_outputs(reference["samples"]))
+    assert results["config"]["offload_policy"]["store"] == "disk"
+    assert results["config"]["offload_stats"]["misses"] > 0          # experts read from the GGUF file
+    assert hf_moe_offload.get_engine(model).store.quantized_layouts               # the store holds GGUF blocks
+
+
 @pytest.mark.parametrize("model_args, expected", [
     ("offload_policy=fast", ["unknown offload_policy preset 'fast'", f"allowed presets: {sorted(PRESETS)}"]),
     ("store=ssd", ["store='ssd' is not allowed", f"allowed: {[AUTO, *STORES]}"]),
@@ -155,6 +185,8 @@ def test_bad_policy_gives_a_clear_cli_error(eval_model, model_args, expected, ca
     ({"offload_policy": '{"store": "disk",'}, "is not valid JSON"),
     ({"offload_policy": {"stores": "disk"}}, "unknown offload_policy key(s) ['stores']"),
     ({"parallelize": True}, "parallelize=True is not supported"),
+    ({"gguf_file": "m.gguf", "quantize": "int4"}, "gguf_file='m.gguf' with quantize='int4' is not supported"),
+    ({"peft": "adapter"}, "peft='adapter' is not supported"),
 ])
 def test_bad_model_args_raise_policy_error_before_loading(kwargs, expected):
     with pytest.raises(PolicyError) as info:

@@ -7,6 +7,9 @@ policy from the model arguments (see `hf_moe_offload.integrations.policy_args`),
 `model.to(device)`: it already sits where the policy put it. Whatever the policy selects applies unchanged.
 
 Model arguments other than the policy's and HFLM's own go to `from_pretrained`, as with ``--model hf``.
+``gguf_file=`` loads a GGUF checkpoint as `from_pretrained(pretrained, gguf_file=..., offload_policy=...)` does
+(experts kept in their GGUF blocks; the architectures and block types `hf_moe_offload.loading.gguf` reads), with
+the tokenizer the file carries unless ``tokenizer=`` names another.
 
 Example:
     >>> import lm_eval
@@ -55,7 +58,6 @@ UNSUPPORTED = {
     "delta": "delta weights are not supported on offloaded models",
     "autogptq": "AutoGPTQ models are not supported",
     "gptqmodel": "GPTQModel models are not supported",
-    "gguf_file": "GGUF checkpoints are not supported (use a safetensors checkpoint)",
 }
 # Only the warning about how the model was passed: the one about ranks ("assuming single-process call to evaluate()
 # or custom distributed integration") is lm-eval's to give, and under a multi-process launch this class does set up
@@ -68,7 +70,8 @@ class OffloadedHFLM(HFLM):
     """`HFLM` whose model is loaded by `hf_moe_offload.from_pretrained(pretrained, policy)`.
 
     Args:
-        pretrained: a local path or Hub id of a supported MoE checkpoint.
+        pretrained: a local path or Hub id of a supported MoE checkpoint (with `gguf_file`, the folder or
+            repository that holds the GGUF file).
         offload_policy: preset name, JSON object string or dict (default "auto"); single fields as
             `store=`, `expert_cache=`, `eviction=`, `offload_device=` (or `offload_<field>=`).
         device: lm-eval's device; the policy's device when the policy does not name one.
@@ -90,7 +93,8 @@ class OffloadedHFLM(HFLM):
             device = device_for_rank(device)           # one process per GPU: its local rank's
         policy, hflm_args, kwargs = split_model_args({"offload_policy": offload_policy, **kwargs}, device)
 
-        load_args = {k: hflm_args[k] for k in ("revision", "subfolder", "trust_remote_code") if k in hflm_args}
+        load_args = {k: hflm_args[k] for k in ("revision", "subfolder", "trust_remote_code", "gguf_file")
+                     if hflm_args.get(k) is not None}
         model_class = _model_class(pretrained, hflm_args.get("backend", "default"), **load_args)
         if load_args.get("revision") == "main":
             load_args.pop("revision")
@@ -100,7 +104,9 @@ class OffloadedHFLM(HFLM):
                                 dtype=_dtype(hflm_args.pop("dtype", "auto")), **load_args, **kwargs)
         engine = get_engine(model)
 
-        hflm_args.setdefault("tokenizer", pretrained)
+        if hflm_args.get("gguf_file") is None:
+            hflm_args.setdefault("tokenizer", pretrained)
+        # else HFLM builds the tokenizer from the GGUF file's vocabulary (its `gguf_file` argument), unless given one
         with _without_prebuilt_warnings():
             super().__init__(pretrained=model, **hflm_args)
         # HFLM takes the device of the first parameter; inputs must go where the policy put the resident part.
@@ -145,6 +151,10 @@ def split_model_args(model_args: dict[str, Any], device: str | None = None
     kwargs = dict(model_args)
     # a policy field named like an HFLM argument (today only `device`) is taken only as offload_<field>
     policy = pop_policy_args(kwargs, reserved=HFLM_ARGS, lm_eval_device=device)
+    if kwargs.get("gguf_file") and policy.quantize != "none":
+        raise PolicyError(f"gguf_file={kwargs['gguf_file']!r} with quantize={policy.quantize!r} is not supported by "
+                          f"{MODEL_NAME}: a GGUF checkpoint's experts stay in their GGUF blocks; allowed: "
+                          f"quantize='none'")
     bad = {k: v for k, v in kwargs.items() if k in UNSUPPORTED and v not in (None, False, "")}
     if bad:
         raise PolicyError("; ".join(f"{k}={v!r} is not supported by {MODEL_NAME}: {UNSUPPORTED[k]}"
