@@ -1,6 +1,7 @@
 """The shapes the engine's parts share, with no knowledge of models or of the engine: how an expert's tensors pack
-into one flat slab (`SlabLayout`), where its bytes are in a checkpoint (`ExpertPiece`), one MoE layer of a built
-model (`MoELayer`), and how expert parameters are released from a module and given back.
+into one flat slab (`SlabLayout`; what the layouts of experts kept compressed as their checkpoint stores them share,
+`CompressedSlabLayout` and `DequantizedLinear`), where its bytes are in a checkpoint (`ExpertPiece`), one MoE layer
+of a built model (`MoELayer`), and how expert parameters are released from a module and given back.
 
 Example:
     >>> import torch
@@ -51,6 +52,62 @@ class SlabLayout:
             out[name] = slots[:, start:start + n].view(slots.shape[0], *shape)
             start += n
         return out
+
+
+SEGMENT_ALIGN = 64         # bytes: each tensor of a compressed slab starts on a cache line (and its dtype's alignment)
+
+
+def align_segment(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of `SEGMENT_ALIGN`.
+
+    Example:
+        >>> align_segment(1), align_segment(64), align_segment(65)
+        (64, 64, 128)
+    """
+    return -(-nbytes // SEGMENT_ALIGN) * SEGMENT_ALIGN
+
+
+class CompressedSlabLayout:
+    """What the slab layouts of experts kept compressed as their checkpoint stores them (GGUF blocks, GPTQ / AWQ /
+    compressed-tensors packing) share: a dense `SlabLayout` (attribute `dense`) they stand for, and `views(slab)`
+    giving one weight per dense part whose `dequantize(out=None)` returns (or writes) that part in the compute
+    dtype. A subclass is a frozen dataclass with a `dense` field and defines `views`."""
+
+    dense: SlabLayout                      # annotation only: no dataclass field here, the subclass declares it
+
+    @property
+    def parts(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """The dense parts (name, [N, K]) this slab stands for."""
+        return self.dense.parts
+
+    def views(self, slab: torch.Tensor) -> dict:
+        """Named weights (one per dense part) over a flat uint8 slab, zero-copy."""
+        raise NotImplementedError
+
+    def dequantize(self, slab: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Dense parts [N, K] in the compute dtype: the checkpoint's dequantized weights."""
+        return {name: w.dequantize() for name, w in self.views(slab).items()}
+
+    def dequantize_into(self, slab: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
+        """Write the dense parts into `out` (part name -> [N, K] tensor of the compute dtype): the values of
+        `dequantize`, without a temporary per part."""
+        for name, w in self.views(slab).items():
+            w.dequantize(out=out[name])
+
+
+class DequantizedLinear:
+    """What the weights of a `CompressedSlabLayout` share: `linear(x)` is `F.linear` with the dequantized weight
+    (`dequantize()`, in the weight's `dtype`)."""
+
+    dtype: torch.dtype
+
+    def dequantize(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The dense weight [N, K] in `dtype`, written into `out` when given."""
+        raise NotImplementedError
+
+    def linear(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] -> [..., N], as the dense weight computes it."""
+        return torch.nn.functional.linear(x.to(self.dtype), self.dequantize())
 
 
 @dataclass(frozen=True)

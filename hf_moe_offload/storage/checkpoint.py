@@ -48,10 +48,20 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return tensor_nbytes(self.dtype, self.shape)
+
+
+def tensor_nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    """Bytes of a contiguous tensor of `dtype` and `shape`.
+
+    Example:
+        >>> tensor_nbytes(torch.bfloat16, (3, 4))
+        24
+    """
+    n = dtype.itemsize
+    for d in shape:
+        n *= d
+    return n
 
 
 @dataclass(frozen=True)

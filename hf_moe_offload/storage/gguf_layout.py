@@ -23,16 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..layout import SlabLayout
+from ..layout import CompressedSlabLayout, DequantizedLinear, SlabLayout, align_segment
 from .gguf_blocks import BlockType, dequantize_rows
-
-ALIGN = 64
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -54,8 +47,9 @@ class GGUFSegment:
 
 
 @dataclass(frozen=True)
-class GGUFSlabLayout:
-    """Byte layout of one expert kept in GGUF blocks (a uint8 slab of `numel` bytes)."""
+class GGUFSlabLayout(CompressedSlabLayout):
+    """Byte layout of one expert kept in GGUF blocks (a uint8 slab of `numel` bytes); `parts`, `dequantize` and
+    `dequantize_into` as every `CompressedSlabLayout`."""
 
     dense: SlabLayout
     compute_dtype: torch.dtype
@@ -71,15 +65,10 @@ class GGUFSlabLayout:
         for part, (rows, cols) in dense.parts:
             share = rows // len(sources[part])
             for i, (key, kind) in enumerate(sources[part]):
-                segment = GGUFSegment(part, key, i * share, share, cols, kind, _align(offset))
+                segment = GGUFSegment(part, key, i * share, share, cols, kind, align_segment(offset))
                 segments.append(segment)
                 offset = segment.offset + segment.nbytes
-        return cls(dense, compute_dtype, tuple(segments), _align(offset))
-
-    @property
-    def parts(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """The dense parts (name, [N, K]) this slab holds."""
-        return self.dense.parts
+        return cls(dense, compute_dtype, tuple(segments), align_segment(offset))
 
     @property
     def block_types(self) -> dict[str, str]:
@@ -101,18 +90,8 @@ class GGUFSlabLayout:
                                          if s.part == name], self.compute_dtype)
                 for name, shape in self.dense.parts}
 
-    def dequantize(self, slab: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Dense parts [N, K] in the compute dtype."""
-        return {name: w.dequantize() for name, w in self.views(slab).items()}
 
-    def dequantize_into(self, slab: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
-        """Write the dense parts into `out` (part name -> [N, K] tensor of the compute dtype): the values of
-        `dequantize`, without a temporary per part."""
-        for name, w in self.views(slab).items():
-            w.dequantize(out=out[name])
-
-
-class GGUFWeight:
+class GGUFWeight(DequantizedLinear):
     """A dense part [N, K] over GGUF blocks in slab memory; `linear(x)` = `F.linear(x, dequantized weight)`."""
 
     def __init__(self, shape: tuple[int, int], segments: list[tuple[GGUFSegment, torch.Tensor]],
@@ -131,10 +110,6 @@ class GGUFWeight:
         for s, raw in self.segments:
             dequantize_rows(raw, s.kind.type_id, s.rows, s.cols, self.dtype, out=out[s.row:s.row + s.rows])
         return out
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N]."""
-        return F.linear(x.to(self.dtype), self.dequantize())
 
     def __repr__(self) -> str:
         types = "+".join(s.kind.name for s, _ in self.segments)

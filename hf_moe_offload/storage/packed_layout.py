@@ -17,18 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from ..layout import ExpertPiece, SlabLayout
-from .checkpoint import ByteRange, CheckpointError
+from ..layout import CompressedSlabLayout, DequantizedLinear, ExpertPiece, SlabLayout, align_segment
+from .checkpoint import ByteRange, CheckpointError, tensor_nbytes
 from .packed_checkpoint import PackedSource
 from .packed_int import CHUNK_ELEMENTS, PackedFormat, dequantize_into
-
-ALIGN = 64                 # each tensor starts on a cache line (and on its own dtype's alignment)
-
-
-def _align(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass(frozen=True)
@@ -42,10 +35,7 @@ class PackedTensor:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
-        for d in self.shape:
-            n *= d
-        return n
+        return tensor_nbytes(self.dtype, self.shape)
 
 
 @dataclass(frozen=True)
@@ -59,14 +49,15 @@ class PackedMatrix:
 
 
 @dataclass(frozen=True)
-class PackedSlabLayout:
-    """Byte layout of one expert kept packed (uint8 slab); see the module docstring."""
+class PackedSlabLayout(CompressedSlabLayout):
+    """Byte layout of one expert kept packed (uint8 slab); see the module docstring. `parts`, `dequantize` and
+    `dequantize_into` as every `CompressedSlabLayout`."""
 
     dense: SlabLayout
     format: PackedFormat
     compute_dtype: torch.dtype
     matrices: tuple[PackedMatrix, ...]
-    numel: int                      # bytes, a multiple of ALIGN
+    numel: int                      # bytes, a multiple of SEGMENT_ALIGN
 
     @classmethod
     def build(cls, dense: SlabLayout, fmt: PackedFormat, compute_dtype: torch.dtype,
@@ -78,15 +69,10 @@ class PackedSlabLayout:
             source = _packed(piece)
             tensors = []
             for name, rng in source.tensors:
-                tensors.append(PackedTensor(name, rng.dtype, tuple(rng.shape), _align(offset)))
+                tensors.append(PackedTensor(name, rng.dtype, tuple(rng.shape), align_segment(offset)))
                 offset = tensors[-1].offset + tensors[-1].nbytes
             matrices.append(PackedMatrix(piece.part, piece.row, tuple(source.shape), tuple(tensors)))
-        return cls(dense, fmt, compute_dtype, tuple(matrices), _align(offset))
-
-    @property
-    def parts(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
-        """The dense parts (name, [N, K]) this slab stands for."""
-        return self.dense.parts
+        return cls(dense, fmt, compute_dtype, tuple(matrices), align_segment(offset))
 
     @property
     def dequant_workspace_bytes(self) -> int:
@@ -128,18 +114,8 @@ class PackedSlabLayout:
         return {name: PackedWeight(self.format, shape, by_part[name], self.compute_dtype)
                 for name, shape in self.parts}
 
-    def dequantize(self, slab: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Dense parts in the compute dtype: the checkpoint's dequantized weights."""
-        return {name: w.dequantize() for name, w in self.views(slab).items()}
 
-    def dequantize_into(self, slab: torch.Tensor, out: dict[str, torch.Tensor]) -> None:
-        """Write the dense parts into `out` (part name -> [N, K] tensor of the compute dtype): the values of
-        `dequantize`, without a temporary per part."""
-        for name, w in self.views(slab).items():
-            w.dequantize(out=out[name])
-
-
-class PackedWeight:
+class PackedWeight(DequantizedLinear):
     """One dense part [N, K] over packed slab memory; `linear(x)` = `F.linear(x, dequantized weight)`."""
 
     def __init__(self, fmt: PackedFormat, shape: tuple[int, ...], matrices: list, dtype: torch.dtype):
@@ -161,10 +137,6 @@ class PackedWeight:
         for matrix, tensors in self.matrices:
             dequantize_into(self.format, tensors, out[matrix.row:matrix.row + matrix.shape[0]])
         return out
-
-    def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] -> [..., N], exactly as the dense weight would compute it."""
-        return F.linear(x.to(self.dtype), self.dequantize())
 
     def __repr__(self) -> str:
         return (f"PackedWeight({self.format.method} {self.format.bits}-bit, shape={tuple(self._shape)}, "
