@@ -144,18 +144,13 @@ def decode(model, ids, new_tokens: int, count=lambda: 0) -> tuple[float, float, 
 
 
 def llama_decode(llm, prompt: list[int], new_tokens: int) -> tuple[float, list]:
-    """llama.cpp's greedy decode of `prompt`: (seconds per step after the first token, the tokens)."""
-    import numpy as np
+    """llama.cpp's greedy decode of `prompt`: (seconds per step after the first token, the tokens). Argmax of the
+    context's own logits (`llama_peer`): `Llama.scores` is only filled with `logits_all=True`, so reading it gave
+    token 0 at every step."""
+    import llama_peer
 
-    llm.reset()
-    llm.eval(prompt)
-    tokens, stamps = [], []
-    for _ in range(new_tokens):
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        tokens.append(token)
-        stamps.append(time.perf_counter())
-        llm.eval([token])
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1), [tokens]
+    out = llama_peer.decode(llm, [prompt], new_tokens, llm.context_params.n_threads)
+    return out["decode_s"] / out["decode_steps"], out["tokens"]
 
 
 @contextlib.contextmanager
