@@ -8,6 +8,8 @@ import time
 
 import torch
 
+import hf_moe_offload
+
 from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.memory.eviction import make_eviction
 from hf_moe_offload.stats import OffloadStats
@@ -104,3 +106,21 @@ def test_disk_store_queues_a_speculative_reads_chunks_behind_demand_chunks(monke
     assert [r for r in order if r[0] == "demand"] == [("demand", i) for i in range(3)]
     assert done_demand < len(guess) + len(demand)       # the demand read finished before the guess did
     assert sorted(order) == sorted(r for r, _, _ in guess + demand)
+
+
+def test_auto_prices_a_wasted_guess_lower_where_the_cache_stages_guesses(tiny_models):
+    from conftest import offloaded
+    from hf_moe_offload.runtime.lookahead_gate import STAGED_WASTE, LookaheadGate
+    from hf_moe_offload.runtime.pass_scheduler import PassScheduler
+
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="34%")
+    engine = hf_moe_offload.get_engine(model)
+    gate = next(h for h in engine.hooks if isinstance(h, PassScheduler)).lookahead.gate
+    assert engine.cache.staging.holds_guesses and gate.displaces is False
+    for _ in range(4):
+        gate.record(guessed=2, used=0, routed_resident=1, routed_other=1)
+    assert gate.break_even == STAGED_WASTE / (STAGED_WASTE + gate.hit_saves)
+    unstaged = LookaheadGate()
+    for _ in range(4):
+        unstaged.record(guessed=2, used=0, routed_resident=1, routed_other=1)
+    assert unstaged.break_even == 1.5 / 2.5 > gate.break_even
