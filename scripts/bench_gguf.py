@@ -16,6 +16,10 @@ at batch 1 and batch 32 with the same thread count (`--threads`):
   in its blocks), batch 1 only: its `Llama` object decodes one sequence;
 - `ours-bf16-disk`: the bf16 safetensors checkpoint offloaded from disk, same cache share.
 
+`--slots default quantized` runs each `ours-gguf-*` system twice in a row: with the library's choice of cache
+form, and with a cache that keeps the GGUF blocks and dequantizes an expert at every use (`dense_slots_on`
+answering False, as on CUDA): the A/B behind that choice.
+
 Each row: decode tokens/s, seconds per step, bytes moved into the expert cache per token (`stats(model)`), bytes
 the process read from storage per token (`/proc/self/io` read_bytes over the generation, prefill included, and
 over the load), resident memory after the run (VmRSS, its file-backed part RssFile, and the peak VmHWM), and the
@@ -185,6 +189,12 @@ def worker(spec: dict) -> list[dict]:
     files = {k: Path(v) for k, v in spec["files"].items()}
     system, fmt, threads = spec["system"], spec["format"], spec["threads"]
     torch.set_num_threads(threads)
+    if spec["slots"] == "quantized":
+        import hf_moe_offload.loading.load as load_module    # the A/B switch, as tests/test_dequantized_cache.py
+        import hf_moe_offload.storage.dequantizing_store as dequantizing_store
+
+        for module in (dequantizing_store, load_module):
+            module.dense_slots_on = lambda device: False
     evict(list(files.values()))
     load_avg = os.getloadavg()[0]
     read0, t0 = storage_read_bytes(), time.perf_counter()
@@ -198,7 +208,8 @@ def worker(spec: dict) -> list[dict]:
         before, read0 = os.getloadavg()[0], storage_read_bytes()
         row = run_llama_cpp(model, new) if system == "llama-cpp" else run(model, batch, new)
         read = storage_read_bytes() - read0
-        rows.append({"system": system, "format": fmt, "threads": threads, "torch_threads": torch.get_num_threads(),
+        rows.append({"system": system, "format": fmt, "slots": spec["slots"], "threads": threads,
+                     "torch_threads": torch.get_num_threads(),
                      "load_s": load_s, "load_read_bytes": load_read, **row,
                      "storage_read_per_token": read / (batch * (16 + new)), **memory(),
                      "loadavg_1min": [load_avg if not rows else before, os.getloadavg()[0]]})
@@ -220,6 +231,8 @@ def main() -> None:
                         help="torch threads and llama.cpp threads, every system (default: every CPU)")
     parser.add_argument("--formats", nargs="+", default=list(FILES), choices=list(FILES))
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    parser.add_argument("--slots", nargs="+", default=["default"], choices=("default", "quantized"),
+                        help="cache forms of the ours-gguf-* systems (module docstring)")
     parser.add_argument("--out", default="benchmarks/results/cpu_gguf_qwen3moe")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -238,15 +251,16 @@ def main() -> None:
         for system in args.systems:                # the systems alternate within each format
             if system == "ours-bf16-disk" and fmt != "Q4_K_M":
                 continue
-            spec_file = Path(args.workdir) / "bench_gguf_spec.json"
-            spec = {"system": system, "format": "bf16" if system == "ours-bf16-disk" else fmt,
-                    "files": {k: str(v) for k, v in files.items()}, "cache": args.cache, "batches": args.batches,
-                    "new_tokens": args.new_tokens, "threads": args.threads,
-                    "out": str(Path(args.workdir) / "bench_gguf_rows.json")}
-            spec_file.write_text(json.dumps(spec))
-            subprocess.run([sys.executable, __file__, "--worker", str(spec_file)], env=env, check=True)
-            rows += json.loads(Path(spec["out"]).read_text())
-            _write(args, rows)                     # after every system: a run stopped early keeps what it measured
+            for slots in (args.slots if system.startswith("ours-gguf") else ["default"]):
+                spec_file = Path(args.workdir) / "bench_gguf_spec.json"
+                spec = {"system": system, "format": "bf16" if system == "ours-bf16-disk" else fmt, "slots": slots,
+                        "files": {k: str(v) for k, v in files.items()}, "cache": args.cache,
+                        "batches": args.batches, "new_tokens": args.new_tokens, "threads": args.threads,
+                        "out": str(Path(args.workdir) / "bench_gguf_rows.json")}
+                spec_file.write_text(json.dumps(spec))
+                subprocess.run([sys.executable, __file__, "--worker", str(spec_file)], env=env, check=True)
+                rows += json.loads(Path(spec["out"]).read_text())
+                _write(args, rows)                 # after every system: a run stopped early keeps what it measured
     _plot(rows, args.out + ".png")
 
 
@@ -286,7 +300,8 @@ def _plot(rows: list[dict], path: str) -> None:
     fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4))
     for ax, batch in zip(axes if len(batches) > 1 else [axes], batches):
         sel = [r for r in rows if r["batch"] == batch]
-        ax.barh([f"{r['system']} ({r['format']})" for r in sel], [r["decode_tok_s"] for r in sel])
+        ax.barh([f"{r['system']} ({r['format']}{', quantized slots' if r.get('slots') == 'quantized' else ''})"
+                 for r in sel], [r["decode_tok_s"] for r in sel])
         ax.set_xlabel("decode tokens/s")
         ax.set_title(f"batch {batch}")
     fig.tight_layout()
