@@ -78,7 +78,9 @@ class DequantizingStore(ExpertStore):
 def dense_slots_on(device: torch.device) -> bool:
     """Whether the cache on `device` holds checkpoint-quantized experts dequantized (`DequantizingStore`) rather
     than quantized: on the CPU, where dequantizing at every use costs far more than a dense matmul at small batch.
-    On CUDA the slots stay quantized: more experts per device byte, each dequantized on the device as it computes."""
+    On CUDA the slots stay quantized: more experts per device byte, each dequantized on the device as it computes.
+    One rule for every block type: the CPU A/B per format, store and batch (docs/benchmarks.md, "GGUF checkpoints")
+    found no regime where quantized slots are reliably faster, and the batch is not known when the cache is built."""
     return device.type == "cpu"
 
 
