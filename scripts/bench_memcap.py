@@ -91,6 +91,8 @@ def worker_spec(args: argparse.Namespace, shape: ModelShape, checkpoint: Path, g
                   "max_seq_len": args.prompt_len + args.new_tokens}
     elif row["system"] == "ours_cap":
         policy = {**OURS_BASE, "expert_cache": cap_cache_bytes(shape, row["cap_bytes"])}
+    if policy is not None:
+        policy.update(args.policy_extra)
     return {**row, "store": None if row["system"] == "resident" else "disk", "device": "cpu", "evict": False,
             "checkpoint": str(checkpoint), "gguf": gguf, "policy": policy,
             "offload_folder": str(args.workdir / "accelerate_offload"), "threads": args.threads,
@@ -254,7 +256,7 @@ def plot(rows: list[dict[str, Any]], title: str, png: Path) -> None:
     width = 0.8 / max(1, len(systems))
     for k, (key, label, scale, log_y) in enumerate((("decode_tok_s", "decode tok/s", 1, False),
                                                    ("read_bytes_per_token", "disk MB read per token", 1e6, True))):
-        ax = axes[k]
+        ax, labelled = axes[k], set()
         for j, system in enumerate(systems):
             for i, (batch, share) in enumerate(groups):
                 r = next((r for r in rows if r["system"] == system and r["batch"] == batch
@@ -263,7 +265,9 @@ def plot(rows: list[dict[str, Any]], title: str, png: Path) -> None:
                 if r is None or "error" in r:
                     ax.plot([x], [0], "x", color=f"C{j}")
                     continue
-                ax.bar(x, max(r[key] / scale, 1e-3), width, color=f"C{j}", label=LABELS[system] if i == 0 else None)
+                ax.bar(x, max(r[key] / scale, 1e-3), width, color=f"C{j}",
+                       label=None if system in labelled else LABELS[system])
+                labelled.add(system)
         ax.set_xticks(range(len(groups)), [f"batch {b}\ncap {s:.0%}" for b, s in groups])
         ax.set_ylabel(label)
         if log_y:
@@ -291,6 +295,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="added to every cap (default 0: the cap is the share of the checkpoint alone)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--policy-extra", type=json.loads, default={},
+                   help='JSON merged into both ours policies, e.g. \'{"stream_window": 4}\' (for diagnosis)')
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=None, help="default 16")
     p.add_argument("--warmup-tokens", type=int, default=None, help="default 2")
@@ -371,7 +377,8 @@ def run_memcap(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             "non_expert_bytes": shape.non_expert_bytes(), "store_read_bandwidth": reads,
             "profile": profile_source,
             "settings": {k: getattr(args, k) for k in ("caps", "allowance_mib", "batch_sizes", "systems", "prompt_len",
-                                                       "new_tokens", "warmup_tokens", "threads", "seed")},
+                                                       "new_tokens", "warmup_tokens", "threads", "seed",
+                                                       "policy_extra")},
             "rows": results, "loadavg_before": load_before, "loadavg_after": os.getloadavg(),
             "total_wall_s": time.perf_counter() - started}
 
