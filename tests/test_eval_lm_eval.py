@@ -164,6 +164,15 @@ def test_gguf_file_evaluates_like_the_librarys_direct_gguf_load(gguf_folder, tas
     assert hf_moe_offload.get_engine(model).store.quantized_layouts               # the store holds GGUF blocks
 
 
+def test_cli_takes_a_gguf_file_and_names_a_missing_one(gguf_folder, capsys):
+    args = "offload_device=cpu,store=disk,expert_cache=30%"
+    assert main(["lm-eval", "--model_args", f"pretrained={gguf_folder},gguf_file=tiny-Q4_K_M.gguf,{args}", "--tasks",
+                 "hfmo_arith", "--device", "cpu", "--limit", "2", "--batch_size", "2"]) == 0
+    assert main(["lm-eval", "--model_args", f"pretrained={gguf_folder},gguf_file=other.gguf,{args}", "--tasks",
+                 "hfmo_arith", "--device", "cpu"]) == 2
+    assert "has no GGUF file 'other.gguf'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model_args, expected", [
     ("offload_policy=fast", ["unknown offload_policy preset 'fast'", f"allowed presets: {sorted(PRESETS)}"]),
     ("store=ssd", ["store='ssd' is not allowed", f"allowed: {[AUTO, *STORES]}"]),

@@ -108,7 +108,8 @@ def _check_pretrained(model_args: dict) -> None:
     pretrained = model_args.get("pretrained")
     if not isinstance(pretrained, str):
         return                          # lm-eval's own error names the missing argument
-    check_model(model_config(pretrained, flag="pretrained="), pretrained, command="lm-eval", flag="pretrained=")
+    config = model_config(pretrained, flag="pretrained=", gguf_file=model_args.get("gguf_file") or None)
+    check_model(config, pretrained, command="lm-eval", flag="pretrained=")
 
 
 @contextlib.contextmanager
