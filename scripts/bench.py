@@ -1781,6 +1781,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--worker-timeout", type=float, default=1800)
     p.add_argument("--from-json", type=Path, default=None,
                    help="don't run: re-render the table and the PNG from an earlier run's JSON")
+    p.add_argument("--suite", choices=("cpu",), default=None,
+                   help="cpu: every CPU regime in one sitting (scripts/bench_suite.py): the disk regime's batch 1, "
+                        "32 and 128 rows, the memory-cap rows (scripts/bench_memcap.py) and the in-RAM CPU kernels "
+                        "(scripts/bench_cpu_kernels.py), each beside the planner's prediction; --quick: the small "
+                        "model, few tokens; --out, --workdir apply; writes OUT.json, OUT.md, OUT.png (default "
+                        "benchmarks/results/cpu_suite[_quick])")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     return fill_defaults(p.parse_args(argv))
@@ -2038,6 +2044,10 @@ def main(argv: list[str] | None = None) -> int:
         result = run_worker(json.loads(args.worker.read_text()))
         args.worker_out.write_text(json.dumps(result))
         return 0
+    if args.suite is not None:
+        import bench_suite
+
+        return bench_suite.main(args, argv)
     if args.from_json is not None:
         out = args.from_json.with_name(args.from_json.name.removesuffix(".json"))
         write_outputs(reload_report(args.from_json), out)

@@ -23,7 +23,8 @@ def base_profile(spec: str | None, threads: int) -> tuple[Any, str]:
     from hf_moe_offload.planning.profile import MachineProfile
 
     if spec and spec != "measure":
-        return MachineProfile.load(spec), str(spec)
+        path = Path(spec).resolve()
+        return MachineProfile.load(path), str(path.relative_to(REPO_ROOT) if path.is_relative_to(REPO_ROOT) else path)
     import torch
 
     from hf_moe_offload.planning.measure import measure
