@@ -41,9 +41,9 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
-from bench import GiB, ModelShape  # noqa: E402
-from cgroup_cap import memory_cap  # noqa: E402
+import bench
+from bench import GiB, ModelShape
+from cgroup_cap import memory_cap
 
 log = logging.getLogger("bench_memcap")
 
@@ -156,7 +156,7 @@ def spawn(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         with cap_ctx as cap:
             start = time.perf_counter()
             try:
-                rc = subprocess.run(cap.command(argv) if cap else argv, timeout=timeout_s).returncode
+                rc = subprocess.run(cap.command(argv) if cap else argv, timeout=timeout_s, check=False).returncode
                 error = None if rc == 0 else f"worker exited with status {rc}"
             except subprocess.TimeoutExpired:
                 error = f"worker timed out after {timeout_s:.0f} s"
@@ -334,7 +334,7 @@ def library_facts() -> dict[str, Any]:
     import hf_moe_offload
 
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=bench.REPO_ROOT).stdout.strip()
+                            cwd=bench.REPO_ROOT, check=False).stdout.strip()
     library = Path(hf_moe_offload.__file__).parent
     in_tree = library.resolve().is_relative_to(bench.REPO_ROOT.resolve())
     return {"commit": commit if in_tree else os.environ.get("HF_MOE_OFFLOAD_SNAPSHOT", "unknown"),
@@ -356,9 +356,8 @@ def prepare(args: argparse.Namespace) -> tuple[ModelShape, Path, str | None, dic
 
 
 def run_memcap(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    from tqdm.auto import tqdm
-
     from bench_planner import DEFAULT_PROFILE, base_profile, with_disk_rate
+    from tqdm.auto import tqdm
 
     started, load_before = time.perf_counter(), os.getloadavg()
     shape, checkpoint, gguf, reads = prepare(args)

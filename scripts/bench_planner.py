@@ -49,9 +49,9 @@ def with_disk_rate(profile: Any, disk_bytes_per_s: float | None) -> Any:
 def planner_shape(shape: Any) -> Any:
     """The planner's view of bench.py's `ModelShape` (a meta skeleton measured as the loader measures it)."""
     import torch
+    from bench import mixtral_config
 
     from hf_moe_offload.planning.planner import ModelShape
-    from bench import mixtral_config
 
     return ModelShape.from_config(mixtral_config(shape), torch.bfloat16)
 

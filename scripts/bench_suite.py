@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench  # noqa: E402
+import bench
 
 log = logging.getLogger("bench_suite")
 
@@ -201,10 +201,11 @@ def suite_markdown(report: dict[str, Any]) -> str:
     scripts = report.get("scripts_commit")
     commit = f"library at commit `{report['commit']}`" + (f", scripts at `{scripts}`" if scripts and scripts !=
                                                             report["commit"] else "")
-    parts = [f"`{report['command']}` — {commit}, {report['date']}, {m['cpu']} ({m['cpus']} "
-             f"CPUs, avx512_bf16 {'yes' if m['avx512_bf16'] else 'no'}), 1-minute load average "
-             f"{report['loadavg_before'][0]:.1f} → {report['loadavg_after'][0]:.1f}. Planner profile: "
-             f"{report['profile']}."]
+    header = (f"`{report['command']}` — {commit}, {report['date']}, {m['cpu']} ({m['cpus']} "
+              f"CPUs, avx512_bf16 {'yes' if m['avx512_bf16'] else 'no'}), 1-minute load average "
+              f"{report['loadavg_before'][0]:.1f} → {report['loadavg_after'][0]:.1f}. Planner profile: "
+              f"{report['profile']}.")
+    parts = [header]
     for key, title in SECTION_TITLES.items():
         section = report["sections"].get(key)
         if section:

@@ -20,9 +20,9 @@ import logging
 import os
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 log = logging.getLogger("cgroup_cap")
 

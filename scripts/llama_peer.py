@@ -8,6 +8,7 @@ not expose, so this module builds its own context (n_seq_max = B) on the loaded 
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from typing import Any
@@ -84,7 +85,7 @@ def decode(llm, prompts: list[list[int]], new_tokens: int, threads: int) -> dict
         b.close()
         ctx.close()
     steps = len(stamps) - 1
-    return {"decode_step_s": [b1 - a for a, b1 in zip(stamps, stamps[1:])],
-            "decode_step_read_bytes": [b1 - a for a, b1 in zip(reads, reads[1:])],
+    return {"decode_step_s": [b1 - a for a, b1 in itertools.pairwise(stamps)],
+            "decode_step_read_bytes": [b1 - a for a, b1 in itertools.pairwise(reads)],
             "decode_s": stamps[-1] - stamps[0], "decode_steps": steps, "decode_tokens": batch * steps,
             "tokens": tokens}
