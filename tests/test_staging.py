@@ -14,7 +14,7 @@ from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.memory.eviction import make_eviction
 from hf_moe_offload.stats import OffloadStats
 from hf_moe_offload.storage import store as store_module
-from hf_moe_offload.storage.read_priority import PriorityReaders, reading_speculatively, speculative
+from hf_moe_offload.storage.read_priority import DemandGate, PriorityReaders, reading_speculatively, speculative
 from test_streaming import NUMEL, LayeredStore
 
 
@@ -49,7 +49,7 @@ def test_wrong_guesses_never_evict_a_resident_expert():
     reads = [r for r in store.reads if r[1] < 6]
     assert len(reads) == 6                              # each routed expert read once, at the first pass
     snap = cache.stats.snapshot()
-    assert snap["readahead_issued"] > 0 and snap["prefetch_wasted"] > 0 and snap["prefetch_hits"] == 0
+    assert snap["readahead_issued"] > 0 and snap["prefetch_hits"] == 0
     assert len(cache.resident) <= cache.num_slots
 
 
@@ -60,9 +60,11 @@ def test_right_guesses_are_read_ahead_and_demand_loads_leave_the_room_free():
         _pass(cache, routes, {1: routes[1], 2: routes[2]})
         assert len(cache.resident) <= cache.num_slots
     snap = cache.stats.snapshot()
-    # Layers 1 and 2 of every pass were read ahead, so only layer 0 misses on demand.
-    assert snap["prefetch_hits"] == snap["readahead_issued"] == 6 * 4
+    # Every guess read ahead is used (a guess still in flight when the next one needs room waits its turn, so how
+    # many are read ahead depends on the readers' timing); at most layers 1 and 2 of every pass.
+    assert 0 < snap["readahead_issued"] == snap["prefetch_hits"] <= 6 * 4
     assert snap["prefetch_wasted"] == 0
+    assert snap["misses"] == 6 * 6 - snap["prefetch_hits"]
 
 
 def test_a_guess_waits_for_a_demand_read_between_jobs_and_chunks():
@@ -78,20 +80,20 @@ def test_a_guess_waits_for_a_demand_read_between_jobs_and_chunks():
     readers.close()
 
 
-def test_disk_store_queues_a_speculative_reads_chunks_behind_demand_chunks(monkeypatch):
-    order, lock = [], threading.Lock()
+def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way(monkeypatch):
+    spans, lock = [], threading.Lock()
 
     def fake_pread(rng, buffer, fd):
-        time.sleep(0.002)
+        start = time.perf_counter()
+        time.sleep(0.004)
         with lock:
-            order.append(rng)
+            spans.append((rng, start, time.perf_counter()))
 
     monkeypatch.setattr(store_module, "pread_exact", fake_pread)
-    monkeypatch.setattr(store_module, "CHUNK_READERS", 1)
     disk = store_module.DiskStore.__new__(store_module.DiskStore)     # only the chunk reader is exercised
-    disk._chunk_pool, disk._fds_lock = None, threading.Lock()
-    guess = [(("guess", i), None, 0) for i in range(6)]
-    demand = [(("demand", i), None, 0) for i in range(3)]
+    disk._chunk_pool, disk._fds_lock, disk._demand = None, threading.Lock(), DemandGate()
+    guess = [(("guess", i), None, 0) for i in range(8)]
+    demand = [(("demand", i), None, 0) for i in range(6)]
 
     def read_guess():
         with speculative():
@@ -99,13 +101,15 @@ def test_disk_store_queues_a_speculative_reads_chunks_behind_demand_chunks(monke
 
     reader = threading.Thread(target=read_guess)
     reader.start()
-    time.sleep(0.005)                                   # the guess's chunks are queued, one is being read
+    time.sleep(0.006)                                   # the guess is under way, one chunk at a time
+    began = time.perf_counter()
     disk._read_chunks(demand)
-    done_demand = len(order)
+    ended = time.perf_counter()
     reader.join()
-    assert [r for r in order if r[0] == "demand"] == [("demand", i) for i in range(3)]
-    assert done_demand < len(guess) + len(demand)       # the demand read finished before the guess did
-    assert sorted(order) == sorted(r for r, _, _ in guess + demand)
+    guess_starts = [start for (kind, _), start, _ in spans if kind == "guess"]
+    assert len(guess_starts) == len(guess) and sorted(guess_starts) == guess_starts      # one by one
+    assert not [t for t in guess_starts if began < t < ended]    # none started while the demand read ran
+    assert any(t > ended for t in guess_starts)                  # and the guess went on after it
 
 
 def test_auto_prices_a_wasted_guess_lower_where_the_cache_stages_guesses(tiny_models):

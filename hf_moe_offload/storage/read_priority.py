@@ -1,9 +1,10 @@
 """Demand reads before speculative ones, down to the chunk.
 
 A read the forward waits for (demand) must not queue behind a read of a guess (a prefetch, a read-ahead): the guess
-used disk time that was idle, and should cost nothing more. `PriorityReaders` runs queued demand jobs first; a
-speculative expert read runs under `speculative()`, which `DiskStore` sees when it splits the read into chunks and
-queues them behind every demand chunk, so a guess being read yields to a demand read between its chunks.
+should use disk time that was idle, and cost nothing more. `PriorityReaders` runs queued demand jobs first; a
+speculative expert read runs under `speculative()`, which `DiskStore` sees: it then reads its chunks one at a time,
+each only while no demand read is under way (`DemandGate`), so a guess being read yields to a demand read between
+its chunks and holds at most one chunk in flight.
 
 Example:
     >>> readers = PriorityReaders(1)
@@ -40,6 +41,44 @@ def speculative() -> Iterator[None]:
 def reading_speculatively() -> bool:
     """Whether this thread's current read is for a guess (inside `speculative()`)."""
     return getattr(_local, "speculative", False)
+
+
+class DemandGate:
+    """Counts the demand reads under way (`demand()`), so that a speculative read can wait until there are none
+    (`wait_for_no_demand()`) before each of its chunks.
+
+    Example:
+        >>> gate = DemandGate()
+        >>> with gate.demand():
+        ...     gate.busy
+        True
+        >>> gate.wait_for_no_demand(); gate.busy
+        False
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+
+    @property
+    def busy(self) -> bool:
+        return self._active > 0
+
+    @contextlib.contextmanager
+    def demand(self) -> Iterator[None]:
+        with self._cond:
+            self._active += 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._active -= 1
+                if self._active == 0:
+                    self._cond.notify_all()
+
+    def wait_for_no_demand(self) -> None:
+        with self._cond:
+            self._cond.wait_for(lambda: self._active == 0)
 
 
 class PriorityReaders:

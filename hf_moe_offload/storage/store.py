@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import math
 import mmap
 import os
 import resource
 import threading
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
 import torch
@@ -35,7 +35,7 @@ from .gguf_layout import GGUFSlabLayout
 from .integrity import ExpertChecksums, FileIdentity, check_identity
 from .packed_layout import PackedSlabLayout
 from .quantize import QuantizedSlabLayout
-from .read_priority import PriorityReaders, reading_speculatively
+from .read_priority import DemandGate, reading_speculatively
 
 # cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.
 PAGE = mmap.PAGESIZE
@@ -281,7 +281,8 @@ class DiskStore(ExpertStore):
         self._fds: dict[str, int] = {}
         self._fds_lock = threading.Lock()   # several reader threads share the file descriptors
         self._bounce = threading.local()    # per reader thread: raw bytes awaiting dtype conversion
-        self._chunk_pool: PriorityReaders | None = None   # parallel chunk reads, started on first use
+        self._chunk_pool: ThreadPoolExecutor | None = None   # parallel chunk reads, started on first use
+        self._demand = DemandGate()          # demand reads under way: speculative chunks wait for none
         # Holds the fd dict, not the store, so that it runs when the store is collected.
         weakref.finalize(self, _close_fds, self._fds, self._fds_lock)
         try:
@@ -330,23 +331,26 @@ class DiskStore(ExpertStore):
             target.copy_(target.view(target.shape[0] // 2, 2, *target.shape[1:]).transpose(0, 1).flatten(0, 1))
 
     def _read_chunks(self, chunks: list) -> None:
-        """`pread_exact` every (range, buffer, fd) on the chunk readers and this thread. A demand read takes its first
-        chunk itself and queues the rest ahead of every speculative chunk; a speculative read (`read_priority`)
-        queues all of its chunks behind them, so it pauses between chunks while a demand read is under way."""
+        """`pread_exact` every (range, buffer, fd). A demand read takes the first chunk on this thread and the rest on
+        the chunk readers at once; a speculative read (`read_priority.speculative`) reads them one by one on this
+        thread, each once no demand read is under way, so it yields to demand reads between chunks."""
+        if reading_speculatively():
+            for chunk in chunks:
+                self._demand.wait_for_no_demand()
+                pread_exact(*chunk)
+            return
         if len(chunks) > 1 and self._chunk_pool is None:
             with self._fds_lock:
                 if self._chunk_pool is None:
-                    self._chunk_pool = PriorityReaders(CHUNK_READERS, thread_name_prefix="hf_moe_offload_chunk")
-        demand = not reading_speculatively()
-        own = chunks[:1] if demand or len(chunks) == 1 else []
-        futures = [self._chunk_pool.submit(functools.partial(pread_exact, *chunk), demand)
-                   for chunk in chunks[len(own):]]
-        try:
-            for chunk in own:
-                pread_exact(*chunk)
-        finally:
-            for future in futures:
-                future.result()                  # re-raises a failed chunk's error
+                    self._chunk_pool = ThreadPoolExecutor(CHUNK_READERS, thread_name_prefix="hf_moe_offload_chunk")
+        with self._demand.demand():
+            futures = [self._chunk_pool.submit(pread_exact, *chunk) for chunk in chunks[1:]]
+            try:
+                if chunks:
+                    pread_exact(*chunks[0])
+            finally:
+                for future in futures:
+                    future.result()              # re-raises a failed chunk's error
 
     def _bounce_buffer(self, nbytes: int) -> torch.Tensor:
         """This thread's bounce buffer, grown to at least `nbytes` (reused across pieces and experts)."""
