@@ -66,3 +66,16 @@ def test_an_explicit_cpu_cache_larger_than_the_container_warns_with_the_numbers(
         resolve(OffloadPolicy(device="cpu", store="disk", expert_cache="3GiB"), fp)
     warning = next(r.getMessage() for r in caplog.records if "expert_cache=3.0 GiB is more than" in r.getMessage())
     assert "within the container's limit of 2.0 GiB" in warning
+
+
+def test_prepacked_copies_fit_within_the_container_not_the_machine(tmp_path, monkeypatch):
+    """The CPU kernels' packed copies are budgeted from the container's limit: 3 GiB limit, 1 GiB used leaves
+    2 GiB, less the reserve (at least 1 GiB), however much RAM the machine has."""
+    from hf_moe_offload.memory.cpu_kernels import RESERVE_MIN_BYTES, prepack_budget
+
+    _fake_cgroup(tmp_path, monkeypatch, "0::/\n", {"memory.max": f"{3 * GiB}\n", "memory.current": f"{GiB}\n"})
+    if psutil.virtual_memory().available < 3 * GiB:
+        pytest.skip("this machine's own RAM is too small for the comparison")
+    assert prepack_budget() == 2 * GiB - RESERVE_MIN_BYTES
+    _fake_cgroup(tmp_path, monkeypatch, "0::/\n", {"memory.max": f"{GiB}\n", "memory.current": f"{512 * MiB}\n"})
+    assert prepack_budget() == 0                        # a small container packs nothing: F.linear serves

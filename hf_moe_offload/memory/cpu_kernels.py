@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..planning.footprint import container_memory
+
 logger = logging.getLogger(__name__)
 
 RESERVE_FRACTION = 0.10          # of total RAM left free after packing (KV cache, activations, other processes)
@@ -53,15 +55,20 @@ def prepack_supported(dtype: torch.dtype) -> bool:
 
 
 def prepack_budget(available: int | None = None, total: int | None = None) -> int:
-    """Bytes of packed copies RAM allows now: what is available, less a reserve of 10% of RAM (at least 1 GiB).
+    """Bytes of packed copies memory allows now: what is available, less a reserve of 10% of the memory (at least
+    1 GiB). Both within the process's container limit, when it has one: a container's memory is its limit, not
+    the machine's RAM.
 
     Example:
         >>> prepack_budget(available=8 << 30, total=16 << 30) == (8 << 30) - int(0.1 * (16 << 30))
         True
     """
-    memory = psutil.virtual_memory() if available is None or total is None else None
-    available = memory.available if available is None else available
-    total = memory.total if total is None else total
+    if available is None or total is None:
+        memory, container = psutil.virtual_memory(), container_memory()
+        limited = container is not None
+        available = (min(memory.available, container.available) if limited else memory.available) \
+            if available is None else available
+        total = (min(memory.total, container.limit) if limited else memory.total) if total is None else total
     return max(0, available - max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * total)))
 
 
