@@ -61,6 +61,8 @@ def _assert_slots_are_the_dequantized_experts(engine) -> None:
     """Every resident slot holds, bit for bit, what the quantized layout's own dequantization gives."""
     store = engine.store
     for (layer, expert), slot in engine.cache.resident.items():
+        if slot.load is not None:        # a read ahead of need (the next pass's, a guess) may still be landing
+            slot.load.wait()
         layout = store.quantized_layouts[layer]
         raw = torch.empty(layout.numel, dtype=torch.uint8)
         store.inner.read_into(layer, expert, raw)
