@@ -3,8 +3,8 @@
 # machine's start included, and at most 10 minutes per command: one tests call (under 9 minutes), then, if time is
 # left on the warm machine, one short bench call. Logs and results go to the folder given second, else $OUT.
 #
-#   bash scripts/gpu_session.sh tests          # environment check (seconds), then tests/test_cuda.py, junit.xml
-#   bash scripts/gpu_session.sh bench-quick    # one Mixtral-8x7B layer, batch 1 and 64: ours, accelerate, bound
+#   bash scripts/gpu_checks.sh tests          # environment check (seconds), then tests/test_cuda.py, junit.xml
+#   bash scripts/gpu_checks.sh bench-quick    # one Mixtral-8x7B layer, batch 1 and 64: ours, accelerate, bound
 #
 # Wheels in .whl/ (a newer transformers for a machine without network; CONTRIBUTING.md) are installed first.
 set -uo pipefail
@@ -19,7 +19,7 @@ per_test_s=${HF_MOE_OFFLOAD_CUDA_TEST_TIMEOUT:-90}
 
 case "$phase" in
     tests|bench-quick) ;;
-    *) echo "usage: scripts/gpu_session.sh tests|bench-quick [out folder]" >&2; exit 2 ;;
+    *) echo "usage: scripts/gpu_checks.sh tests|bench-quick [out folder]" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
