@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))   # gguf_checkpoints: the GGUF vocabulary
 from bench import ModelShape, build_checkpoint  # noqa: E402
 
 GiB = 2**30
@@ -44,7 +45,8 @@ def write_gguf(checkpoint: Path, shape: ModelShape) -> Path:
     q and k rows permuted as llama.cpp's converter does; a stand-in vocabulary (the prompt is token ids)."""
     import numpy as np
     import torch
-    from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf_checkpoints import add_vocab, stand_in_vocab
     from safetensors.torch import load_file
 
     out = checkpoint / "model-bf16.gguf"
@@ -66,17 +68,7 @@ def write_gguf(checkpoint: Path, shape: ModelShape) -> Path:
     w.add_expert_count(shape.experts)
     w.add_expert_used_count(shape.top_k)
     w.add_file_type(32)                                   # LLAMA_FTYPE_MOSTLY_BF16
-    tokens = [b"<unk>", b"<s>", b"</s>"] + [f"<0x{i:02X}>".encode() for i in range(256)]
-    tokens += [f"t{i}".encode() for i in range(shape.vocab - len(tokens))]
-    types = [TokenType.UNKNOWN, TokenType.CONTROL, TokenType.CONTROL] + [TokenType.BYTE] * 256
-    types += [TokenType.NORMAL] * (shape.vocab - len(types))
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores([0.0] * shape.vocab)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
+    add_vocab(w, stand_in_vocab(shape.vocab))
 
     def put(name: str, t: torch.Tensor) -> None:
         if t.dim() == 1:                                  # norms: float32, as llama.cpp's converter writes them

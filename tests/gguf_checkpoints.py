@@ -104,7 +104,8 @@ def byte_level_vocab(tokenizer) -> Vocab:
                  pad=tokenizer.pad_token_id)
 
 
-def _add_vocab(w: gguf.GGUFWriter, vocab: Vocab) -> None:
+def add_vocab(w: gguf.GGUFWriter, vocab: Vocab) -> None:
+    """Write `vocab` as the file's `tokenizer.ggml.*` metadata."""
     w.add_tokenizer_model(vocab.model)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)
@@ -148,7 +149,7 @@ def write_gguf(path: str, arch: str = "qwen3moe", dims: Dims = Dims(), experts: 
     w.add_expert_feed_forward_length(d.expert_width)
     w.add_vocab_size(d.vocab)
     if vocab is not None:
-        _add_vocab(w, vocab)
+        add_vocab(w, vocab)
 
     def add(name: str, shape: tuple[int, ...], qtype: Q, scale: float = 0.05) -> None:
         array, raw = values(shape, qtype, rng, scale, quantize)
