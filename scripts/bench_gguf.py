@@ -50,6 +50,7 @@ from gguf_checkpoints import Q4_K_M, Dims, stand_in_vocab, write_gguf  # noqa: E
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import hf_moe_offload  # noqa: E402
+from bench import proc_read_bytes  # noqa: E402  (this folder's benchmark: the same /proc/self/io probe)
 
 FILES = {"Q4_K_M": Q4_K_M, "Q8_0": lambda b: (Q.Q8_0,) * 3}
 SYSTEMS = ("transformers-gguf", "ours-gguf-disk", "ours-gguf-cpu", "llama-cpp", "ours-bf16-disk")
@@ -93,14 +94,6 @@ def evict(paths: list[Path]) -> None:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
             finally:
                 os.close(fd)
-
-
-def storage_read_bytes() -> int:
-    """Bytes this process has caused to be read from storage (`/proc/self/io`; page-fault reads included)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("read_bytes:"):
-            return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no read_bytes line")
 
 
 def memory() -> dict[str, int]:
@@ -197,17 +190,17 @@ def worker(spec: dict) -> list[dict]:
             module.dense_slots_on = lambda device: False
     evict(list(files.values()))
     load_avg = os.getloadavg()[0]
-    read0, t0 = storage_read_bytes(), time.perf_counter()
+    read0, t0 = proc_read_bytes(), time.perf_counter()
     model = load(system, fmt, files, spec["cache"], threads)
-    load_s, load_read = time.perf_counter() - t0, storage_read_bytes() - read0
+    load_s, load_read = time.perf_counter() - t0, proc_read_bytes() - read0
     rows = []
     for batch, new in zip(spec["batches"], spec["new_tokens"]):
         if system == "llama-cpp" and batch != 1:
             continue                           # one sequence per `Llama` object: no batch of independent prompts
         evict(list(files.values()))
-        before, read0 = os.getloadavg()[0], storage_read_bytes()
+        before, read0 = os.getloadavg()[0], proc_read_bytes()
         row = run_llama_cpp(model, new) if system == "llama-cpp" else run(model, batch, new)
-        read = storage_read_bytes() - read0
+        read = proc_read_bytes() - read0
         rows.append({"system": system, "format": fmt, "slots": spec["slots"], "threads": threads,
                      "torch_threads": torch.get_num_threads(),
                      "load_s": load_s, "load_read_bytes": load_read, **row,

@@ -106,9 +106,9 @@ def run_llama_worker(spec: dict[str, Any]) -> dict[str, Any]:
     """llama.cpp's row: load (mmap), a warm-up generate on another prompt, then the measured greedy decode."""
     import llama_peer
 
-    reads0, t0 = llama_peer.proc_read_bytes(), time.perf_counter()
+    reads0, t0 = bench.proc_read_bytes(), time.perf_counter()
     llm = llama_peer.load(spec["gguf"], spec["threads"])
-    load_s, load_reads = time.perf_counter() - t0, llama_peer.proc_read_bytes() - reads0
+    load_s, load_reads = time.perf_counter() - t0, bench.proc_read_bytes() - reads0
     batch = spec["batch"]
     if spec["warmup_tokens"] > 0:
         ids, _ = bench.make_prompt(spec["vocab"], batch, spec["prompt_len"], spec["seed"] + 1)

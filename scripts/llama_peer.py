@@ -15,14 +15,7 @@ from typing import Any
 
 import numpy as np
 
-
-def proc_read_bytes() -> int:
-    """Bytes this process made the kernel read from a block device (page faults of an mmap included)."""
-    with open("/proc/self/io") as f:
-        for line in f:
-            if line.startswith("read_bytes:"):
-                return int(line.split()[1])
-    raise RuntimeError("/proc/self/io has no read_bytes")
+from bench import proc_read_bytes   # /proc/self/io: page faults of an mmap count too
 
 
 def load(gguf: str, threads: int, mmap: bool = True):
