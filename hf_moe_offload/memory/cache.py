@@ -259,10 +259,8 @@ class ExpertCache:
         or read-ahead of that later layer."""
         table = self.table
         if not table.free:
-            for slot in table.unwaited():        # prefetches nobody waited for: once landed, ordinary residents
-                if slot.load is not None and slot.pins == 0 and SlotTable.has_landed(slot):
-                    self._wait_quietly(slot)
-        # While guesses are read ahead, demand loads leave the staging room to them (`_staging_room`).
+            self._settle_landed()
+        # While guesses are read ahead, demand loads leave the staging room to them (`StagingRoom.regular_full`).
         keep_guesses = speculative_for is None and self.staging.regular_full()
         if table.free and not keep_guesses:
             return table.free.pop()
@@ -281,6 +279,12 @@ class ExpertCache:
             return None
         self._evict(victim)
         return victim
+
+    def _settle_landed(self) -> None:
+        """Prefetches nobody waited for: once landed, ordinary residents (a failed read frees its slot)."""
+        for slot in self.table.unwaited():
+            if slot.load is not None and slot.pins == 0 and SlotTable.has_landed(slot):
+                self._wait_quietly(slot)
 
     def _evict(self, slot: Slot) -> None:
         self.stats.record_eviction(slot.key[0])
@@ -463,7 +467,9 @@ class _LayerFetch:
 
 def _staging_slot(cache: ExpertCache, layer: int) -> Slot | None:
     """A slot for a read-ahead guess of `layer` (`StagingRoom.take`); a wrong guess it held leaves."""
-    slot = cache.staging.take(layer, cache._wait_quietly)
+    if not cache.table.free:
+        cache._settle_landed()                   # landed guesses can be judged
+    slot = cache.staging.take(layer)
     if slot is not None and slot.key is not None:
         cache._evict(slot)
     if slot is None and cache.staging.overdrawn():

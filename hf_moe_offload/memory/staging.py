@@ -8,8 +8,6 @@ Streamed passes bound their loads with a window instead, and have no room.
 
 from __future__ import annotations
 
-from typing import Callable
-
 from .pass_state import PassState
 from .slots import Slot, SlotTable
 
@@ -55,16 +53,11 @@ class StagingRoom:
     def _regular(self) -> int:
         return len(self.table.resident) - self.table.unused_prefetches
 
-    def take(self, layer: int, wait_quietly: Callable[[Slot], None]) -> Slot | None:
+    def take(self, layer: int) -> Slot | None:
         """A slot for a guess of `layer`: a free one (taken off the free list), else one that still holds an unused,
         landed guess of another layer, which was wrong (its layer ran without it); the caller evicts that guess.
-        None: every slot of the room holds a guess still to be judged. Guesses whose read has finished are waited
-        for (`wait_quietly`: a failed read frees its slot) so that they can be judged."""
+        None: every slot of the room holds a guess still to be judged (or still being read)."""
         table = self.table
-        if not table.free:
-            for slot in table.prefetched():
-                if slot.load is not None and slot.pins == 0 and SlotTable.has_landed(slot):
-                    wait_quietly(slot)
         if table.free:
             return table.free.pop()
         return next((s for s in table.prefetched() if s.key[0] != layer and s.pins == 0 and s.load is None), None)

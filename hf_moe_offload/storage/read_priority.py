@@ -50,19 +50,13 @@ class DemandGate:
     Example:
         >>> gate = DemandGate()
         >>> with gate.demand():
-        ...     gate.busy
-        True
-        >>> gate.wait_for_no_demand(); gate.busy
-        False
+        ...     pass                     # a demand read
+        >>> gate.wait_for_no_demand()    # returns at once: none under way
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._active = 0
-
-    @property
-    def busy(self) -> bool:
-        return self._active > 0
 
     @contextlib.contextmanager
     def demand(self) -> Iterator[None]:
@@ -94,8 +88,8 @@ class PriorityReaders:
         >>> readers.close()
     """
 
-    def __init__(self, workers: int, thread_name_prefix: str = "hf_moe_offload_copy"):
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=thread_name_prefix)
+    def __init__(self, workers: int):
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf_moe_offload_copy")
         self._jobs: list[tuple[int, int, Callable[[], Any], Future]] = []
         self._lock = threading.Lock()
         self._order = itertools.count()
