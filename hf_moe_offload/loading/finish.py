@@ -60,15 +60,16 @@ def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine) -> None:
     copies within what memory (RAM, or the container's limit) leaves once the store's experts could be packed too and
     a CPU expert cache is filled; on the CPU device, torch's thread count leaves the cores other processes use
     (`memory.cpu_threads`); undone by `disable()`."""
+    on_cpu = torch.device(engine.policy.device).type == "cpu"
     experts = engine.store.total_bytes if engine.stats.prepacked else 0
     # A CPU cache's slots are allocated but not yet written: their pages do not count as used until they are.
-    cache = engine.stats.capacity_bytes if torch.device(engine.policy.device).type == "cpu" else 0
+    cache = engine.stats.capacity_bytes if on_cpu else 0
     dense = DenseLinears.attach(model, skip=tuple(layer.name for layer in engine.layers),
                                 budget_bytes=max(0, prepack_budget() - experts - cache))
     if dense.modules:
         engine.stats.prepacked.append(dense.packed)
         engine.on_detach.append(dense.remove)
-    if torch.device(engine.policy.device).type == "cpu":
+    if on_cpu:
         restore = apply_default_threads()
         if restore is not None:
             engine.on_detach.append(restore)

@@ -6,10 +6,10 @@ call, which at a few rows costs more than reading it. `torch.ops.mkldnn._reorder
 bits as `F.linear` (tests/test_cpu_kernels.py), so exact modes stay exact.
 
 The blocked copy is an opaque oneDNN tensor as large as the weight, made at a weight's first use within a byte
-budget taken from the RAM available at registration (`prepack_budget`); past it, `F.linear` as before. Registered
-memory (`PrepackedWeights`): a CPU store's slabs (`for_store`), which the store never writes after loading, and the
-model's own bias-free linear layers on the CPU (`DenseLinears`: attention projections, routers, the head). A copy
-is remade if its weight was written in place since (the tensor's version counter). `disable()` and `state_dict()`
+budget taken from the memory available at registration, RAM or a container's limit (`prepack_budget`); past it,
+`F.linear` as before. Registered memory (`PrepackedWeights`): a CPU store's slabs (`for_store`), which the store
+never writes after loading, and the model's own bias-free linear layers on the CPU (`DenseLinears`: attention
+projections, routers, the head). A copy is remade if its weight was written in place since (the tensor's version counter). `disable()` and `state_dict()`
 read the store's slabs and the parameters, never a packed copy.
 
 Opt-in, approximate (`HF_MOE_OFFLOAD_CPU_GEMV=1`): one-row products as a float32 reduction compiled by
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..planning.footprint import container_memory
+from ..planning.footprint import available_host_bytes, container_memory
 
 logger = logging.getLogger(__name__)
 
@@ -63,12 +63,12 @@ def prepack_budget(available: int | None = None, total: int | None = None) -> in
         >>> prepack_budget(available=8 << 30, total=16 << 30) == (8 << 30) - int(0.1 * (16 << 30))
         True
     """
-    if available is None or total is None:
-        memory, container = psutil.virtual_memory(), container_memory()
-        limited = container is not None
-        available = (min(memory.available, container.available) if limited else memory.available) \
-            if available is None else available
-        total = (min(memory.total, container.limit) if limited else memory.total) if total is None else total
+    if available is None:
+        available = available_host_bytes()
+    if total is None:
+        container = container_memory()
+        total = psutil.virtual_memory().total if container is None else min(psutil.virtual_memory().total,
+                                                                             container.limit)
     return max(0, available - max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * total)))
 
 
