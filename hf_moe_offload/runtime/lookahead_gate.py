@@ -31,7 +31,7 @@ EVICTION_LOOKAHEAD_LAYERS = 2   # eviction="lookahead": the routers of this many
 MIN_HIT_SAVES = 0.05            # the measured exposure never drops the gate's hit_saves below this
 EXPOSURE_EWMA = 0.2             # weight of a new exposure measurement
 EXPOSURE_MIN_MISSES = 8         # demand misses between two exposure measurements
-STAGED_WASTE = 0.25             # a wasted staged guess's cost, in reads: its chunks in flight when demand comes
+STAGED_WASTE = 0.25             # a wasted staged guess's cost, in reads: its one chunk in flight when demand comes
 
 
 @dataclass
@@ -76,7 +76,7 @@ class LookaheadGate:
     - a wasted guess costs its own read, `t`, on the same link as the demand reads after it, and, where the cache
       has no staging room for guesses (`displaces`), takes a slot whose resident expert is then read again with
       about the cache's hit rate `h`: `(1 + h) * t`. Where guesses are staged (`memory/staging.py`) it displaces
-      nothing and its read yields to demand reads between chunks: it costs the chunks it has in flight when a
+      nothing and its read yields to demand reads between chunks: it costs the chunk it has in flight when a
       demand read comes, `STAGED_WASTE * t`.
     It pays when precision `p > waste / (waste + hit_saves)`, `waste` being `1 + h` or `STAGED_WASTE`. `hit_saves`
     starts at 1 and then follows the measured exposure (`measured_exposure`, fed by the look-ahead every few
@@ -116,7 +116,7 @@ class LookaheadGate:
 
     @property
     def break_even(self) -> float:
-        # Staged, a wasted guess displaces nothing and yields to demand reads: it costs only the chunks it has in
+        # Staged, a wasted guess displaces nothing and yields to demand reads: it costs only the chunk it has in
         # flight when a demand read comes (`STAGED_WASTE` of a read); the payoff trial then checks the stall.
         waste = 1.0 + self.hit_rate if self.displaces else STAGED_WASTE
         return waste / (waste + self.hit_saves)
