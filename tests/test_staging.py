@@ -8,7 +8,6 @@ import time
 
 import torch
 
-import hf_moe_offload
 
 from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.memory.eviction import make_eviction
@@ -111,20 +110,3 @@ def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way(mon
     assert not [t for t in guess_starts if began < t < ended]    # none started while the demand read ran
     assert any(t > ended for t in guess_starts)                  # and the guess went on after it
 
-
-def test_auto_prices_a_wasted_guess_lower_where_the_cache_stages_guesses(tiny_models):
-    from conftest import offloaded
-    from hf_moe_offload.runtime.lookahead_gate import STAGED_WASTE, LookaheadGate
-    from hf_moe_offload.runtime.pass_scheduler import PassScheduler
-
-    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="34%")
-    engine = hf_moe_offload.get_engine(model)
-    gate = next(h for h in engine.hooks if isinstance(h, PassScheduler)).lookahead.gate
-    assert engine.cache.staging.holds_guesses and gate.displaces is False
-    for _ in range(4):
-        gate.record(guessed=2, used=0, routed_resident=1, routed_other=1)
-    assert gate.break_even == STAGED_WASTE / (STAGED_WASTE + gate.hit_saves)
-    unstaged = LookaheadGate()
-    for _ in range(4):
-        unstaged.record(guessed=2, used=0, routed_resident=1, routed_other=1)
-    assert unstaged.break_even == 1.5 / 2.5 > gate.break_even

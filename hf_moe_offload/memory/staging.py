@@ -27,11 +27,6 @@ class StagingRoom:
     def __init__(self, table: SlotTable, pass_state: PassState, num_slots: int):
         self.table, self.pass_state, self.num_slots = table, pass_state, num_slots
 
-    @property
-    def holds_guesses(self) -> bool:
-        """Whether the cache is large enough to keep a room at all."""
-        return self.num_slots // MAX_SHARE > 0
-
     def room(self) -> int:
         """Slots kept for guesses now: the pass's read-ahead room, for an on-demand pass (no window)."""
         state = self.pass_state

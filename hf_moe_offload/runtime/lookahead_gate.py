@@ -23,7 +23,6 @@ import torch.nn.functional as F
 
 from ..arch.routing import RouterKind
 from ..layout import MoELayer
-from ..memory.cache import ExpertCache
 from ..memory.eviction import LookAhead
 from ..policy.offload_policy import AUTO
 
@@ -31,7 +30,6 @@ EVICTION_LOOKAHEAD_LAYERS = 2   # eviction="lookahead": the routers of this many
 MIN_HIT_SAVES = 0.05            # the measured exposure never drops the gate's hit_saves below this
 EXPOSURE_EWMA = 0.2             # weight of a new exposure measurement
 EXPOSURE_MIN_MISSES = 8         # demand misses between two exposure measurements
-STAGED_WASTE = 0.25             # a wasted staged guess's cost, in reads: its one chunk in flight when demand comes
 
 
 @dataclass
@@ -73,16 +71,15 @@ class LookaheadGate:
     - a used guess was going to be read anyway, as a demand miss of the next layer; reading it early hides at most
       the part of that read the demand path leaves exposed: it saves `hit_saves * t` (`hit_saves` <= 1; 1 assumes
       the whole read would have stalled, the most favourable case for look-ahead);
-    - a wasted guess costs its own read, `t`, on the same link as the demand reads after it, and, where the cache
-      has no staging room for guesses (`displaces`), takes a slot whose resident expert is then read again with
-      about the cache's hit rate `h`: `(1 + h) * t`. Where guesses are staged (`memory/staging.py`) it displaces
-      nothing and its read yields to demand reads between chunks: it costs the chunk it has in flight when a
-      demand read comes, `STAGED_WASTE * t`.
-    It pays when precision `p > waste / (waste + hit_saves)`, `waste` being `1 + h` or `STAGED_WASTE`. `hit_saves`
-    starts at 1 and then follows the measured exposure (`measured_exposure`, fed by the look-ahead every few
-    misses). The precision and `h` are measured over the last `window` guesses (h over the routed experts that were
-    not guessed, so the look-ahead's own loads do not inflate it); reading starts once `min_guesses` are scored and
-    precision is above the break-even, and stops when it falls `hysteresis` below it.
+    - a wasted guess costs its own read, `t`, on the same link as the demand reads after it, and takes a slot
+      whose resident expert is then read again with about the cache's hit rate `h`: `(1 + h) * t`. Where the cache
+      stages guesses (`memory/staging.py`) the slot is one of a room kept out of the demand loads' reach, which
+      costs those loads about as many hits while reading ahead is on, so the price stays.
+    It pays when precision `p > (1 + h) / (1 + h + hit_saves)`. `hit_saves` starts at 1 and then follows the
+    measured exposure (`measured_exposure`, fed by the look-ahead every few misses). The precision and `h` are
+    measured over the last `window` guesses (h over the routed experts that were not guessed, so the look-ahead's
+    own loads do not inflate it); reading starts once `min_guesses` are scored and precision is above the
+    break-even, and stops when it falls `hysteresis` below it.
 
     Example:
         >>> gate = LookaheadGate(window=8, min_guesses=4)
@@ -100,8 +97,6 @@ class LookaheadGate:
         self.window, self.min_guesses, self.hit_saves, self.hysteresis = window, min_guesses, hit_saves, hysteresis
         self.exposure_measured = False     # whether `hit_saves` comes from a measurement yet
         self.require_exposure = False      # stay off until it does (set where the exposure can be measured)
-        # Whether a wasted guess evicts a resident expert; not where the cache stages guesses (`memory/staging.py`).
-        self.displaces = True
         self.guesses: deque[bool] = deque(maxlen=window)      # per non-resident guess: did the router choose it
         self.routed: deque[bool] = deque(maxlen=window)       # per routed, unguessed expert: was it resident
         self.on = False
@@ -116,10 +111,8 @@ class LookaheadGate:
 
     @property
     def break_even(self) -> float:
-        # Staged, a wasted guess displaces nothing and yields to demand reads: it costs only the chunk it has in
-        # flight when a demand read comes (`STAGED_WASTE` of a read); the payoff trial then checks the stall.
-        waste = 1.0 + self.hit_rate if self.displaces else STAGED_WASTE
-        return waste / (waste + self.hit_saves)
+        h = self.hit_rate
+        return (1.0 + h) / (1.0 + h + self.hit_saves)
 
     def measured_exposure(self, stall_per_miss_s: float, read_s: float) -> None:
         """Set `hit_saves` from the share of a demand read that compute waited for (stall per demand miss / time of
@@ -218,8 +211,6 @@ class RouterLookahead:
         self.cache, self.counters, self.layers = engine.cache, engine.stats, layers
         self.prefetch = engine.policy.prefetch   # "lookahead": always read ahead on demand; "auto": while it pays
         self.gate = (gate or LookaheadGate()) if self.prefetch == AUTO else None
-        if self.gate is not None and gate is None:
-            self.gate.displaces = not (isinstance(self.cache, ExpertCache) and self.cache.staging.holds_guesses)
         eviction = engine.cache.eviction
         self.eviction = eviction if isinstance(eviction, LookAhead) else None   # fed this pass's guesses
         if self.prefetch == "lookahead" or self.eviction is not None:
