@@ -156,6 +156,7 @@ def _build_store(policy: OffloadPolicy, layers: list[MoELayer], pieces: list[lis
     dtype = next(layers[0].module.parameters()).dtype   # what transformers chose (meta tensors keep it)
     device = torch.device(policy.device)
     reader = DiskStore(layers, pieces, dtype)
+    reader.read_directly(policy.disk_reads == "direct")
     if policy.quantize != "none":
         store = quantized_store(policy, layers, dtype, device, lambda l, e: dense_expert(reader, l, e),
                                 offload_folder, source_files=reader.files)

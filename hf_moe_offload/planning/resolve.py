@@ -61,7 +61,7 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
         >>> resolve(OffloadPolicy(device="cpu", store="disk", expert_cache="50%"), fp).cache_bytes
         524288
     """
-    auto_fields = [f for f in ("device", "store", "expert_cache") if getattr(policy, f) == AUTO]
+    auto_fields = [f for f in ("device", "store", "expert_cache", "disk_reads") if getattr(policy, f) == AUTO]
     device = auto_device() if policy.device == AUTO else normalize_device(policy.device)
     store, why_store = _store(policy, device, fp)
     batch, seq_len = workload(policy, fp)
@@ -90,11 +90,13 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
     micro_batches = resolve_micro_batches(policy, fp, store, cache, zero_copy)
     resolved = dataclasses.replace(policy, device=str(device), store=store, expert_cache=cache,
                                    max_batch_size=batch, max_seq_len=seq_len, stream_window=window,
-                                   attention=attention, micro_batches=micro_batches)
+                                   attention=attention, micro_batches=micro_batches,
+                                   disk_reads=_disk_reads(policy, device, store, cache, fp, zero_copy))
     resolved, plan = plan_for_policy(policy, resolved, fp)
     if auto_fields:
-        logger.info("hf_moe_offload auto policy: device=%s store=%s%s expert_cache=%s (experts %s, resident part "
-                    "%s, RAM available %s%s)", device, store, why_store, format_bytes(cache),
+        logger.info("hf_moe_offload auto policy: device=%s store=%s%s expert_cache=%s disk_reads=%s (experts %s, "
+                    "resident part %s, RAM available %s%s)", device, store, why_store, format_bytes(cache),
+                    resolved.disk_reads,
                     format_bytes(fp.expert_bytes), format_bytes(fp.resident_bytes),
                     format_bytes(available_host_bytes()), _container_note())
     return ResolvedPolicy(resolved, cache, plan)
@@ -145,6 +147,19 @@ def _layer_hold_slots(policy: OffloadPolicy, fp: Footprint) -> int:
 def _container_note() -> str:
     container = container_memory()
     return "" if container is None else f" within the container's limit of {format_bytes(container.limit)}"
+
+
+def _disk_reads(policy: OffloadPolicy, device: torch.device, store: str, cache: int, fp: Footprint,
+                zero_copy: bool) -> str:
+    """`disk_reads`: "auto" reads around the page cache where the host memory left beside the expert cache, the
+    host store and the resident part cannot hold the experts' file bytes (their pages would be evicted before their
+    next use, and under a container's limit they would push out the process's own pages)."""
+    if policy.disk_reads != AUTO:
+        return policy.disk_reads
+    on_host = store == "cpu" or zero_copy
+    kept = ((fp.store_bytes or fp.expert_bytes) if on_host else 0) + \
+        (fp.resident_bytes + (0 if zero_copy else cache) if device.type == "cpu" else 0)
+    return "direct" if available_host_bytes() - kept < (fp.store_bytes or fp.expert_bytes) else "buffered"
 
 
 def _store(policy: OffloadPolicy, device: torch.device, fp: Footprint) -> tuple[str, str]:

@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 AUTO = "auto"
 STORES = ("cpu", "disk")
+DISK_READS = ("auto", "buffered", "direct")   # expert reads through the page cache, or around it (O_DIRECT)
 EVICTIONS = ("lru", "lfu", "layer", "lookahead")
 PREFETCHERS = ("auto", "none", "hash", "lookahead")
 QUANTIZATIONS = ("none", "int8", "int4")
@@ -114,6 +115,18 @@ class OffloadPolicy:
                   "values": _quoted(AUTO, *STORES),
                   "help": '"cpu": experts in host memory (pinned when the device is CUDA); "disk": experts stay in '
                           'the checkpoint\'s safetensors files and are read per expert on demand; "auto".'},
+    )
+    disk_reads: str = field(
+        default=AUTO,
+        metadata={"short": "Expert reads through the page cache or around it; auto: around it when it cannot keep them",
+                  "values": _quoted(*DISK_READS),
+                  "help": 'How experts are read from files (store="disk", and the host store\'s load): "buffered" '
+                          '(through the page cache: an expert read again soon after comes from RAM), "direct" '
+                          "(O_DIRECT, around the page cache: nothing is left behind, so a container's memory limit, "
+                          "which counts the page cache, is spent on the expert cache instead, and the kernel never "
+                          'reclaims the process\'s own pages for it; a file system without O_DIRECT reads buffered), '
+                          'or "auto" (direct when the memory left beside the expert cache cannot hold the experts, '
+                          "so their pages would be evicted before their next use; else buffered)."},
     )
     expert_cache: int | str = field(
         default=AUTO,
@@ -326,7 +339,7 @@ class OffloadPolicy:
 
 # The fields whose value is one of a few names (device is parsed by `normalize_device`).
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "store": (AUTO, *STORES), "eviction": EVICTIONS, "prefetch": PREFETCHERS, "routing": ROUTINGS,
+    "store": (AUTO, *STORES), "disk_reads": DISK_READS, "eviction": EVICTIONS, "prefetch": PREFETCHERS, "routing": ROUTINGS,
     "schedule": SCHEDULES, "quantize": QUANTIZATIONS, "expert_compute": EXPERT_COMPUTES, "attention": ATTENTIONS,
 }
 

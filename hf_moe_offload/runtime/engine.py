@@ -155,6 +155,7 @@ class OffloadEngine:
         if device.type == "cuda" or any(d.type == "cuda" for d in restore_each):
             torch.cuda.empty_cache()              # the released experts' blocks, before the cache asks for its own
         stats = OffloadStats(num_layers=len(layers))
+        store.read_directly(policy.disk_reads == "direct")
         try:
             if devices is not None:
                 cache = build_cache_group(store, devices, policy, stats)

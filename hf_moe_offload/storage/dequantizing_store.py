@@ -47,6 +47,9 @@ class DequantizingStore(ExpertStore):
         """The bytes one expert's read takes: its quantized slab (the dense slot is `layouts[layer].numel`)."""
         return self.inner.slab_bytes(layer)
 
+    def read_directly(self, on: bool = True) -> None:
+        self.inner.read_directly(on)
+
     @property
     def pinned_bytes(self) -> int:
         return self.inner.pinned_bytes

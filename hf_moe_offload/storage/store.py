@@ -31,6 +31,7 @@ import torch
 from .._logging import progress
 from ..layout import ExpertPiece, ExpertTensors, MoELayer, SlabLayout
 from .checkpoint import Mxfp4Scales, pread_exact, read_fp8_into, read_into, read_mxfp4_into, split_range
+from .direct_io import AlignedBuffers, open_direct, pread_direct
 from .gguf_layout import GGUFSlabLayout
 from .integrity import ExpertChecksums, FileIdentity, check_identity
 from .packed_layout import PackedSlabLayout
@@ -241,6 +242,9 @@ class ExpertStore:
     def read_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
         raise NotImplementedError
 
+    def read_directly(self, on: bool = True) -> None:
+        """Read files around the page cache (policy `disk_reads`). Nothing to do for a store that reads none."""
+
     def close(self) -> None:
         """Release what the store holds (files, pinned memory); the owner calls it once it is done reading."""
 
@@ -283,8 +287,12 @@ class DiskStore(ExpertStore):
         self._bounce = threading.local()    # per reader thread: raw bytes awaiting dtype conversion
         self._chunk_pool: ThreadPoolExecutor | None = None   # parallel chunk reads, started on first use
         self._demand = DemandGate()          # demand reads under way: speculative chunks wait for none
-        # Holds the fd dict, not the store, so that it runs when the store is collected.
+        # Direct reads (`read_directly`): their descriptors (None: the file system refused one), aligned buffers.
+        self._direct_fds: dict[str, int | None] = {}
+        self._aligned: AlignedBuffers | None = None
+        # Holds the fd dicts, not the store, so that it runs when the store is collected.
         weakref.finalize(self, _close_fds, self._fds, self._fds_lock)
+        weakref.finalize(self, _close_fds, self._direct_fds, self._fds_lock)
         try:
             for path in self.files:
                 self._fd(path)
@@ -320,8 +328,9 @@ class DiskStore(ExpertStore):
                 read_into(piece.source, target, fd, self._bounce_buffer(piece.source.nbytes))
                 continue
             raw = memoryview(target.reshape(-1).view(torch.uint8).numpy())
-            chunks += [(rng, raw[start:start + rng.nbytes], fd) for rng, start in split_range(piece.source,
-                                                                                            READ_CHUNK_BYTES)]
+            reader = self._chunk_reader(piece.source.path, fd)
+            chunks += [(reader, rng, raw[start:start + rng.nbytes]) for rng, start in split_range(piece.source,
+                                                                                                READ_CHUNK_BYTES)]
         self._read_chunks(chunks)
         if self.checksums is not None:        # the bytes as they are in the file, before any reordering
             path = self.pieces[layer][expert][0].source.path
@@ -330,24 +339,59 @@ class DiskStore(ExpertStore):
         for target in interleaved:      # rows (gate 0, up 0, gate 1, ...) -> gate rows, then up rows
             target.copy_(target.view(target.shape[0] // 2, 2, *target.shape[1:]).transpose(0, 1).flatten(0, 1))
 
+    def read_directly(self, on: bool = True) -> None:
+        """Read the experts' bytes around the page cache (`disk_reads="direct"`), where the file system allows it;
+        a file whose file system refuses is read through the page cache, as before."""
+        self._aligned = AlignedBuffers() if on else None
+        for path in self.files if on else ():
+            self._direct_fd(path)
+
+    @property
+    def reads_directly(self) -> bool:
+        """Whether expert reads bypass the page cache (on, and some file took a direct descriptor)."""
+        return self._aligned is not None and any(fd is not None for fd in self._direct_fds.values())
+
+    def _chunk_reader(self, path: str, fd: int) -> Callable:
+        """How the chunks of `path` are read: `(range, buffer)` -> filled buffer, directly when that is on."""
+        direct = self._direct_fd(path) if self._aligned is not None else None
+        if direct is None:
+            return lambda rng, buf: pread_exact(rng, buf, fd)
+        aligned = self._aligned
+        return lambda rng, buf: pread_direct(rng, buf, direct, aligned)
+
+    def _direct_fd(self, path: str) -> int | None:
+        """`path` opened for direct reads (once), checked to be the file indexed; None: its file system refuses."""
+        with self._fds_lock:
+            if path not in self._direct_fds:
+                direct = open_direct(path)
+                if direct is not None:       # opened by name again: the file indexed, or refused as such
+                    try:
+                        check_identity(path, direct, self._identities[path])
+                    except BaseException:
+                        os.close(direct)
+                        raise
+                self._direct_fds[path] = direct
+            return self._direct_fds[path]
+
     def _read_chunks(self, chunks: list) -> None:
-        """`pread_exact` every (range, buffer, fd). A demand read takes the first chunk on this thread and the rest on
-        the chunk readers at once; a speculative read (`read_priority.speculative`) reads them one by one on this
+        """Read every (read, range, buffer). A demand read takes the first chunk on this thread and the rest on the
+        chunk readers at once; a speculative read (`read_priority.speculative`) reads them one by one on this
         thread, each once no demand read is under way, so it yields to demand reads between chunks."""
         if reading_speculatively():
-            for chunk in chunks:
+            for read, rng, buf in chunks:
                 self._demand.wait_for_no_demand()
-                pread_exact(*chunk)
+                read(rng, buf)
             return
         if len(chunks) > 1 and self._chunk_pool is None:
             with self._fds_lock:
                 if self._chunk_pool is None:
                     self._chunk_pool = ThreadPoolExecutor(CHUNK_READERS, thread_name_prefix="hf_moe_offload_chunk")
         with self._demand.demand():
-            futures = [self._chunk_pool.submit(pread_exact, *chunk) for chunk in chunks[1:]]
+            futures = [self._chunk_pool.submit(read, rng, buf) for read, rng, buf in chunks[1:]]
             try:
                 if chunks:
-                    pread_exact(*chunks[0])
+                    read, rng, buf = chunks[0]
+                    read(rng, buf)
             finally:
                 for future in futures:
                     future.result()              # re-raises a failed chunk's error
@@ -379,6 +423,7 @@ class DiskStore(ExpertStore):
     def close(self) -> None:
         """Close the open files (a later read opens them again)."""
         _close_fds(self._fds, self._fds_lock)
+        _close_fds(self._direct_fds, self._fds_lock)
 
 
 def _open_shard(path: str) -> int:
@@ -401,10 +446,11 @@ def _open_shard(path: str) -> int:
     return fd
 
 
-def _close_fds(fds: dict[str, int], lock: threading.Lock) -> None:
+def _close_fds(fds: dict[str, int | None], lock: threading.Lock) -> None:
     with lock:
         for fd in fds.values():
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
         fds.clear()
 
 
