@@ -999,7 +999,11 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         import hf_moe_offload
 
         # One expert as the row stores and moves it (quantized rows: fewer bytes than the checkpoint's).
-        result["ours"]["expert_bytes"] = hf_moe_offload.get_engine(model).cache.slot_bytes
+        engine = hf_moe_offload.get_engine(model)
+        result["ours"]["expert_bytes"] = engine.cache.slot_bytes
+        # What "auto" chose for the reads (the row's policy keeps what was asked).
+        result["ours"]["disk_reads"] = engine.policy.disk_reads
+        result["ours"]["reads_directly"] = bool(getattr(engine.store, "reads_directly", False))
     return result
 # ------------------------------------------------------------------------------------- continuous batching worker
 
