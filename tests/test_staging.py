@@ -79,20 +79,19 @@ def test_a_guess_waits_for_a_demand_read_between_jobs_and_chunks():
     readers.close()
 
 
-def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way(monkeypatch):
+def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way():
     spans, lock = [], threading.Lock()
 
-    def fake_pread(rng, buffer, fd):
+    def fake_read(rng, buffer):
         start = time.perf_counter()
         time.sleep(0.004)
         with lock:
             spans.append((rng, start, time.perf_counter()))
 
-    monkeypatch.setattr(store_module, "pread_exact", fake_pread)
     disk = store_module.DiskStore.__new__(store_module.DiskStore)     # only the chunk reader is exercised
     disk._chunk_pool, disk._fds_lock, disk._demand = None, threading.Lock(), DemandGate()
-    guess = [(("guess", i), None, 0) for i in range(8)]
-    demand = [(("demand", i), None, 0) for i in range(6)]
+    guess = [(fake_read, ("guess", i), None) for i in range(8)]
+    demand = [(fake_read, ("demand", i), None) for i in range(6)]
 
     def read_guess():
         with speculative():
