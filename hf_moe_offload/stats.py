@@ -7,6 +7,8 @@
   copied, their CPU time, and the disk bytes read into host buffers for them (`hits + misses + cpu_computed ==
   experts_used`; `hit_rate` is hits over all three); with "auto" also the decision's measured inputs
   (`h2d_bytes_per_s`, `host_bytes_per_s`, `cpu_flops`, `cpu_expert_s` per token bucket);
+- `disk_reads` (experts read from files at every miss): "direct" when the reads bypass the page cache (policy
+  `disk_reads`), else "buffered";
 - `prepacked_bytes`: host memory held by prepacked oneDNN copies of bfloat16 weights computed on the CPU (experts
   and the model's own linear layers, `memory.cpu_kernels`);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those

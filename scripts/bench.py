@@ -105,7 +105,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 QUANTIZATIONS = ("int8", "int4")
 DENSE_SYSTEMS = ("resident", "accelerate", "hf_moe_offload", "hf_moe_offload_layer")
 # Opt-in rows (--systems ...): look-ahead eviction; quantized experts at the dense rows' byte budget (more experts fit).
-EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", "hf_moe_offload_readahead",
+EXTRA_SYSTEMS = ("hf_moe_offload_lookahead", "hf_moe_offload_readahead", "hf_moe_offload_direct",
                  *(f"hf_moe_offload_{q}_same_bytes" for q in QUANTIZATIONS),
                  "hf_moe_offload_cpu_compute", "hf_moe_offload_auto_compute",    # expert_compute: for --device cuda
                  # CPU attention, whole batch or in two micro-batches (CGOPipe's overlap): for --device cuda
@@ -122,6 +122,8 @@ POLICIES = {"hf_moe_offload": OURS_POLICY, "hf_moe_offload_layer": {**OURS_POLIC
             "hf_moe_offload_lookahead": {**OURS_POLICY, "eviction": "lookahead"},
             # The next layer's router guesses read ahead at every layer (into the staging room), whatever they score.
             "hf_moe_offload_readahead": {**OURS_POLICY, "eviction": "layer", "prefetch": "lookahead"},
+            # Reads around the page cache: what disk_reads="auto" picks for a model larger than RAM.
+            "hf_moe_offload_direct": {**OURS_POLICY, "eviction": "layer", "disk_reads": "direct"},
             # A missing expert computes on the CPU from the host copy ("cpu"), or where the measured costs say ("auto").
             "hf_moe_offload_cpu_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "cpu"},
             "hf_moe_offload_auto_compute": {**OURS_POLICY, "eviction": "layer", "expert_compute": "auto"},
@@ -1577,13 +1579,14 @@ COLORS = {"resident": "#7f7f7f", "accelerate": "#d62728", "hf_moe_offload": "#1f
           "hf_moe_offload_lookahead": "#17becf", "hf_moe_offload_cpu_compute": "#bcbd22",
           "hf_moe_offload_auto_compute": "#393b79", "hf_moe_offload_readahead": "#637939",
           "hf_moe_offload_cpu_attention": "#843c39", "hf_moe_offload_cpu_attention_mb2": "#d6616b",
-          "hf_moe_offload_cpu_store": "#7b4173"}
+          "hf_moe_offload_cpu_store": "#7b4173", "hf_moe_offload_direct": "#e6550d"}
 CACHE_COLORS = {"hf_moe_offload": "#9ecae1", "hf_moe_offload_layer": "#a1d99b", "hf_moe_offload_int8": "#c5b0d5",
                 "hf_moe_offload_int4": "#ffbb78", "hf_moe_offload_int8_same_bytes": "#c49c94",
                 "hf_moe_offload_int4_same_bytes": "#f7b6d2", "hf_moe_offload_lookahead": "#9edae5",
                 "hf_moe_offload_cpu_compute": "#dbdb8d", "hf_moe_offload_auto_compute": "#6b6ecf",
                 "hf_moe_offload_readahead": "#b5cf6b", "hf_moe_offload_cpu_attention": "#ad494a",
-                "hf_moe_offload_cpu_attention_mb2": "#e7969c", "hf_moe_offload_cpu_store": "#a55194"}
+                "hf_moe_offload_cpu_attention_mb2": "#e7969c", "hf_moe_offload_cpu_store": "#a55194",
+                "hf_moe_offload_direct": "#fdae6b"}
 Group = tuple[int, "str | None", "int | None"]       # (batch, store, cap bytes)
 
 

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 
+import hf_moe_offload
 from conftest import build_tiny, model_class, token_inputs
 from hf_moe_offload.planning import resolve as resolve_module
 from hf_moe_offload.runtime.engine import get_engine
@@ -96,6 +97,7 @@ def test_direct_reads_give_the_unpatched_tokens_and_leave_no_expert_in_the_page_
         _drop_from_page_cache(ranges)
         assert torch.equal(_tokens(model), expected)
         counts[reads] = _cached_pages(ranges)
+        assert hf_moe_offload.stats(model)["disk_reads"] == reads
     assert counts["buffered"] > 0, "the buffered reads left nothing behind: the page count cannot tell"
     assert counts["direct"] == 0, counts
 

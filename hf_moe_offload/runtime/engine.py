@@ -200,6 +200,8 @@ class OffloadEngine:
         data = dict(self.stats.snapshot())
         for hook in self.hooks:
             data.update(hook.stats())
+        if not self.store.in_host_memory:     # experts read from files at every miss
+            data["disk_reads"] = "direct" if self.store.reads_directly else "buffered"
         if self.plan is not None:   # the plan's predicted tok/s beside data["measured"]
             data["plan"] = dict(self.plan)
         return StatsSnapshot(data, self.reset_stats)

@@ -51,6 +51,10 @@ class DequantizingStore(ExpertStore):
         self.inner.read_directly(on)
 
     @property
+    def reads_directly(self) -> bool:
+        return self.inner.reads_directly
+
+    @property
     def pinned_bytes(self) -> int:
         return self.inner.pinned_bytes
 

@@ -245,6 +245,11 @@ class ExpertStore:
     def read_directly(self, on: bool = True) -> None:
         """Read files around the page cache (policy `disk_reads`). Nothing to do for a store that reads none."""
 
+    @property
+    def reads_directly(self) -> bool:
+        """Whether this store's expert reads bypass the page cache now."""
+        return False
+
     def close(self) -> None:
         """Release what the store holds (files, pinned memory); the owner calls it once it is done reading."""
 
