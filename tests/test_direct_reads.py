@@ -16,7 +16,7 @@ import hf_moe_offload
 from conftest import build_tiny, model_class, token_inputs
 from hf_moe_offload.planning import resolve as resolve_module
 from hf_moe_offload.runtime.engine import get_engine
-from hf_moe_offload.planning.footprint import Footprint
+from hf_moe_offload.planning.footprint import ContainerMemory, Footprint
 from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 from hf_moe_offload.storage import direct_io
 from hf_moe_offload.storage.checkpoint import ByteRange, CheckpointError, CheckpointIndex
@@ -143,15 +143,23 @@ def test_a_file_system_without_o_direct_is_read_through_the_page_cache(checkpoin
     assert not get_engine(model).store.reads_directly
 
 
-def test_auto_reads_directly_only_where_the_page_cache_cannot_keep_the_experts(monkeypatch):
+def test_auto_reads_directly_only_in_a_container_that_cannot_keep_the_experts(monkeypatch):
     fp = Footprint(expert_bytes=1 << 30, slab_bytes=1 << 20, resident_bytes=1 << 28, top_k=2)
     policy = OffloadPolicy(device="cpu", store="disk", expert_cache="25%").validate()
-    monkeypatch.setattr(resolve_module, "available_host_bytes", lambda: 16 << 30)      # a roomy machine
-    assert resolve_module.resolve(policy, fp).policy.disk_reads == "buffered"
+
+    def machine(available, container):
+        monkeypatch.setattr(resolve_module, "available_host_bytes", lambda: available)
+        monkeypatch.setattr(resolve_module, "container_memory",
+                            lambda: None if container is None else ContainerMemory(container, 0))
+        return resolve_module.resolve(policy, fp).policy.disk_reads
+
+    assert machine(16 << 30, None) == "buffered"           # a roomy machine
+    assert machine(16 << 30, 16 << 30) == "buffered"       # a roomy container
     # A container of 1 GiB: beside the 256 MiB cache and the 256 MiB resident part, 0.5 GiB for 1 GiB of experts.
-    monkeypatch.setattr(resolve_module, "available_host_bytes", lambda: 1 << 30)
-    assert resolve_module.resolve(policy, fp).policy.disk_reads == "direct"
+    assert machine(1 << 30, 1 << 30) == "direct"
+    assert machine(1 << 30, None) == "buffered"            # no limit: the page cache may grow, reclaimed as needed
     given = OffloadPolicy(device="cpu", store="disk", expert_cache="25%", disk_reads="buffered").validate()
+    monkeypatch.setattr(resolve_module, "container_memory", lambda: ContainerMemory(1 << 30, 0))
     assert resolve_module.resolve(given, fp).policy.disk_reads == "buffered"          # a choice is kept
 
 

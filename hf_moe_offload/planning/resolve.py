@@ -151,15 +151,20 @@ def _container_note() -> str:
 
 def _disk_reads(policy: OffloadPolicy, device: torch.device, store: str, cache: int, fp: Footprint,
                 zero_copy: bool) -> str:
-    """`disk_reads`: "auto" reads around the page cache where the host memory left beside the expert cache, the
-    host store and the resident part cannot hold the experts' file bytes (their pages would be evicted before their
-    next use, and under a container's limit they would push out the process's own pages)."""
+    """`disk_reads`: "auto" reads around the page cache inside a container (a control group's memory limit, which
+    counts the page cache) where the memory left beside the expert cache, the host store and the resident part
+    cannot hold the experts' file bytes: their pages would be evicted before their next use, and the group's reclaim
+    would slow the reads and push out the process's own pages. Elsewhere buffered (docs/benchmarks.md: with the
+    page cache free to grow, buffered reads were the faster)."""
     if policy.disk_reads != AUTO:
         return policy.disk_reads
+    if container_memory() is None:
+        return "buffered"
+    file_bytes = fp.store_bytes or fp.expert_bytes
     on_host = store == "cpu" or zero_copy
-    kept = ((fp.store_bytes or fp.expert_bytes) if on_host else 0) + \
+    kept = (file_bytes if on_host else 0) + \
         (fp.resident_bytes + (0 if zero_copy else cache) if device.type == "cpu" else 0)
-    return "direct" if available_host_bytes() - kept < (fp.store_bytes or fp.expert_bytes) else "buffered"
+    return "direct" if available_host_bytes() - kept < file_bytes else "buffered"
 
 
 def _store(policy: OffloadPolicy, device: torch.device, fp: Footprint) -> tuple[str, str]:

@@ -118,15 +118,16 @@ class OffloadPolicy:
     )
     disk_reads: str = field(
         default=AUTO,
-        metadata={"short": "Expert reads through the page cache or around it; auto: around it when it cannot keep them",
+        metadata={"short": "Expert reads through the page cache or around it; auto: around it in a tight container",
                   "values": _quoted(*DISK_READS),
                   "help": 'How experts are read from files (store="disk", and the host store\'s load): "buffered" '
                           '(through the page cache: an expert read again soon after comes from RAM), "direct" '
                           "(O_DIRECT, around the page cache: nothing is left behind, so a container's memory limit, "
                           "which counts the page cache, is spent on the expert cache instead, and the kernel never "
                           'reclaims the process\'s own pages for it; a file system without O_DIRECT reads buffered), '
-                          'or "auto" (direct when the memory left beside the expert cache cannot hold the experts, '
-                          "so their pages would be evicted before their next use; else buffered)."},
+                          'or "auto" (direct inside a container whose memory limit, beside the expert cache, cannot '
+                          "hold the experts, so their pages would be evicted before their next use; else "
+                          "buffered)."},
     )
     expert_cache: int | str = field(
         default=AUTO,
