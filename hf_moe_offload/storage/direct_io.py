@@ -11,10 +11,12 @@ a buffered read makes from the page cache).
 
 from __future__ import annotations
 
+import ctypes
 import errno
-import mmap
 import os
 import threading
+
+import torch
 
 from .checkpoint import ByteRange, CheckpointError
 
@@ -35,26 +37,30 @@ def open_direct(path: str) -> int | None:
 
 
 class AlignedBuffers(threading.local):
-    """One page-aligned buffer per reader thread, grown to the largest read it has made (anonymous mappings are
-    page-aligned)."""
+    """One page-aligned buffer per reader thread, grown to the largest read it has made."""
 
-    def get(self, nbytes: int) -> memoryview:
-        buffer = getattr(self, "buffer", None)
-        if buffer is None or len(buffer) < nbytes:
-            if buffer is not None:
-                buffer.close()
-            self.buffer = buffer = mmap.mmap(-1, _round_up(nbytes))
-        return memoryview(buffer)
+    def get(self, nbytes: int) -> tuple[memoryview, int]:
+        """A writable view of at least `nbytes` aligned bytes, and its address."""
+        if getattr(self, "size", 0) < nbytes:
+            size = _round_up(nbytes)
+            self.owner = torch.empty(size + ALIGN, dtype=torch.uint8)       # owns the memory
+            address = self.owner.data_ptr()
+            self.address, self.size = address + (-address) % ALIGN, size
+            self.view = memoryview((ctypes.c_char * size).from_address(self.address)).cast("B")
+        return self.view, self.address
 
 
 def pread_direct(rng: ByteRange, buf: memoryview, fd: int, buffers: AlignedBuffers) -> None:
     """Read exactly the bytes of `rng` into `buf` through the direct descriptor `fd`: the aligned blocks around them
-    are read into this thread's aligned buffer, then the range is copied out."""
+    are read into this thread's aligned buffer, then the range is copied out (by `memmove`, which lets go of the
+    interpreter lock while it copies, as the kernel's copy in a buffered read does)."""
     if len(buf) != rng.nbytes:
         raise CheckpointError(f"{rng.path}: expected {len(buf)} bytes at {rng.offset}, tensor has {rng.nbytes}")
+    if not rng.nbytes:
+        return
     start = rng.offset - rng.offset % ALIGN
     end = rng.offset + rng.nbytes
-    aligned = buffers.get(_round_up(end) - start)
+    aligned, address = buffers.get(_round_up(end) - start)
     done = 0
     while start + done < end:
         n = os.preadv(fd, [aligned[done:_round_up(end) - start]], start + done)
@@ -65,8 +71,7 @@ def pread_direct(rng: ByteRange, buf: memoryview, fd: int, buffers: AlignedBuffe
             break
     if start + done < end:
         raise CheckpointError(f"checkpoint shard {rng.path} ended early at byte {start + done}")
-    skip = rng.offset - start
-    buf[:] = aligned[skip:skip + rng.nbytes]
+    ctypes.memmove(ctypes.addressof(ctypes.c_char.from_buffer(buf)), address + rng.offset - start, rng.nbytes)
 
 
 def _round_up(n: int) -> int:
