@@ -340,8 +340,9 @@ class OffloadPolicy:
 
 # The fields whose value is one of a few names (device is parsed by `normalize_device`).
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "store": (AUTO, *STORES), "disk_reads": DISK_READS, "eviction": EVICTIONS, "prefetch": PREFETCHERS, "routing": ROUTINGS,
-    "schedule": SCHEDULES, "quantize": QUANTIZATIONS, "expert_compute": EXPERT_COMPUTES, "attention": ATTENTIONS,
+    "store": (AUTO, *STORES), "disk_reads": DISK_READS, "eviction": EVICTIONS, "prefetch": PREFETCHERS,
+    "routing": ROUTINGS, "schedule": SCHEDULES, "quantize": QUANTIZATIONS, "expert_compute": EXPERT_COMPUTES,
+    "attention": ATTENTIONS,
 }
 
 

@@ -348,6 +348,8 @@ class DiskStore(ExpertStore):
         """Read the experts' bytes around the page cache (`disk_reads="direct"`), where the file system allows it;
         a file whose file system refuses is read through the page cache, as before."""
         self._aligned = AlignedBuffers() if on else None
+        if not on:
+            _close_fds(self._direct_fds, self._fds_lock)
         for path in self.files if on else ():
             self._direct_fd(path)
 
