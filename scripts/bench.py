@@ -1554,8 +1554,8 @@ def markdown_table(results: list[dict]) -> str:
 
 def cb_table(batching: dict[str, Any]) -> str:
     """The generate_batch comparison: one line per system and mode (skipped or failed systems say why)."""
-    header = ("| system | mode | prompts | generated tok/s | prompt + generated tok/s | vs static | forwards | "
-              "disk MB/token | moved MB/token | peak RSS GiB | greedy tokens = resident |")
+    header = ("| system | mode | prompts | generated tok/s | bound tok/s (share) | prompt + generated tok/s | "
+              "vs static | forwards | disk MB/token | moved MB/token | peak RSS GiB | greedy tokens = resident |")
     lines = [header, "|" + "---|" * (header.count("|") - 1)]
     for r in batching["rows"]:
         if "modes" not in r:
@@ -1566,8 +1566,10 @@ def cb_table(batching: dict[str, Any]) -> str:
         for m in r["modes"]:
             moved = m["ours"]["bytes_to_device_per_token"] if "ours" in m else None
             match = {None: "ref" if r["system"] == "resident" else "–", True: "yes", False: "no"}[m["tokens_match"]]
+            bound = m.get("bound")
+            bound_cell = f"{bound['tok_s']:.2f} ({bound['over_bound']:.2f})" if bound else "–"
             lines.append("| " + " | ".join([
-                r["system"], m["mode"], str(r["prompts"]), f"{m['tok_s']:.2f}", f"{m['total_tok_s']:.1f}",
+                r["system"], m["mode"], str(r["prompts"]), f"{m['tok_s']:.2f}", bound_cell, f"{m['total_tok_s']:.1f}",
                 ratio(m["tok_s"] / static["tok_s"]), str(m["forwards"]), mb(m["read_bytes_per_token"]), mb(moved),
                 f"{r['peak_rss_bytes'] / GiB:.2f}", match]) + " |")
     return "\n".join(lines)
@@ -1926,6 +1928,26 @@ def compare_cb_tokens(rows: list[dict]) -> None:
             mode["tokens_match"] = None if ref is None or r is reference else mode["tokens"] == ref["tokens"]
 
 
+def add_cb_bounds(batching: dict[str, Any], store_bytes_per_s: float) -> None:
+    """Each offloaded continuous mode's bound (in place): its generated tokens over max(compute, reads), compute
+    being the resident model's generate_batch over the same prompts (its "continuous, packed attention" wall time)
+    and reads the bytes the mode moved at the store-like read rate (as the batch-1 overlap bound, the bytes the row
+    read, not a floor)."""
+    rows = [r for r in batching["rows"] if "modes" in r]
+    reference = next((r for r in rows if r["system"] == "resident"), None)
+    compute = next((m["wall_s"] for m in (reference or {}).get("modes", [])
+                    if m["mode"] == "continuous, packed attention"), None)
+    for r in rows:
+        for m in r["modes"]:
+            if r is reference or "ours" not in m or compute is None or not m["mode"].startswith("continuous"):
+                continue
+            read_s = m["ours"]["bytes_to_device"] / store_bytes_per_s
+            bound_tok_s = m["generated_tokens"] / max(compute, read_s)
+            m["bound"] = {"compute_s": compute, "read_s": read_s, "tok_s": bound_tok_s,
+                          "over_bound": m["tok_s"] / bound_tok_s,
+                          "basis": "max(resident generate_batch wall time, bytes moved / store-like read rate)"}
+
+
 def gpu_facts(results: list[dict]) -> dict[str, Any] | None:
     """The GPU as the workers saw it, and the best pinned H2D bandwidth over all of them (None on the CPU)."""
     cuda_rows = [r for r in succeeded(results) if "gpu" in r]
@@ -1955,6 +1977,8 @@ def run_benchmark(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     store_reads = combine_bandwidth(store_reads, store_read_bandwidth(files))
     add_ceilings(results, bandwidth["bytes_per_s"])
     add_bounds(results, shape.one_expert_bytes(), store_reads["bytes_per_s"], store_reads["median_bytes_per_s"])
+    if batching:
+        add_cb_bounds(batching, store_reads["bytes_per_s"])
     memory = memory_read_bandwidth(args.threads) if args.device == "cpu" else None
     if memory:
         add_weight_reads(results, shape, memory)
@@ -1994,6 +2018,8 @@ def reload_report(path: Path) -> dict[str, Any]:
     one_expert = ModelShape(**report["model"]["shape"]).one_expert_bytes()     # older runs did not record it
     add_bounds(report["results"], one_expert, store and max(store["runs_bytes_per_s"]),
                store and statistics.median(store["runs_bytes_per_s"]))
+    if store and report.get("continuous_batching"):
+        add_cb_bounds(report["continuous_batching"], max(store["runs_bytes_per_s"]))
     return report
 
 

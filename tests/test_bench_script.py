@@ -82,6 +82,16 @@ def test_json_has_one_row_per_system_and_the_greedy_tokens_agree(tiny_run):
     assert "--tiny" in report["command"] and report["settings"]["device"] == "cpu"
 
 
+def test_each_offloaded_generate_batch_mode_stands_beside_its_bound(tiny_run):
+    """generate_batch's bound: max(the resident model's generate_batch time, the mode's bytes at the read rate)."""
+    rows = {r["system"]: r for r in tiny_run["report"]["continuous_batching"]["rows"]}
+    continuous = [m for m in rows["hf_moe_offload"]["modes"] if m["mode"].startswith("continuous")]
+    assert continuous and all(0 < m["bound"]["over_bound"] and m["bound"]["tok_s"] > 0 for m in continuous)
+    resident = next(m for m in rows["resident"]["modes"] if m["mode"] == "continuous, packed attention")
+    assert all(m["bound"]["compute_s"] == resident["wall_s"] for m in continuous)
+    assert all("bound" not in m for m in rows["hf_moe_offload"]["modes"] if m["mode"].startswith("static"))
+
+
 def test_peak_rss_is_each_workers_own(tiny_run):
     """ru_maxrss would have shown the parent's peak (768 MiB of ballast above a worker's) in every row."""
     peaks = [r["peak_rss_bytes"] for r in tiny_run["report"]["results"]]
