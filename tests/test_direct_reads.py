@@ -102,6 +102,19 @@ def test_direct_reads_give_the_unpatched_tokens_and_leave_no_expert_in_the_page_
     assert counts["direct"] == 0, counts
 
 
+def test_an_offload_folder_the_library_wrote_reads_directly_to_the_same_tokens(checkpoint, tmp_path):
+    """A quantized folder (uint8 slabs, checksummed at their first read) read around the page cache gives what its
+    buffered reads give."""
+    tokens = {}
+    for reads in ("buffered", "direct"):
+        model = model_class(FAMILY).from_pretrained(
+            checkpoint, offload_folder=str(tmp_path / reads), offload_policy={
+                "device": "cpu", "store": "disk", "expert_cache": "30%", "quantize": "int8", "disk_reads": reads})
+        assert get_engine(model).store.reads_directly == (reads == "direct")
+        tokens[reads] = _tokens(model.eval())
+    assert torch.equal(tokens["direct"], tokens["buffered"])
+
+
 @pytest.mark.parametrize("offset, nbytes", [(0, 10), (5, 4096), (4095, 2), (1000, 3 * 4096 + 7), (123, 70000)])
 def test_a_direct_read_of_any_byte_range_gives_exactly_those_bytes(tmp_path, offset, nbytes):
     data = os.urandom(80_000 + 123)
