@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM
 import hf_moe_offload
 from gguf_checkpoints import Q4_K_M, QWEN2_MOE, Dims, write_gguf
 from hf_moe_offload.policy.offload_policy import PolicyError
+from hf_moe_offload.storage import direct_io
 from hf_moe_offload.storage.checkpoint import CheckpointError
 from hf_moe_offload.storage.gguf_blocks import GGML_TYPES, dequantize_rows
 
@@ -112,6 +113,19 @@ def test_bfloat16_model_from_q4_k_m(folder, reference, store):
     assert model.dtype == torch.bfloat16
     _assert_same_logits(model, ref)
     assert torch.equal(_generate(model), _generate(ref))
+
+
+@pytest.mark.parametrize("store", ["disk", "cpu"])
+def test_a_gguf_file_read_around_the_page_cache_gives_the_same_tokens(folder, reference, store):
+    """disk_reads="direct": the store's misses (disk) or its load into host memory (cpu) bypass the page cache."""
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny-Q4_K_M.gguf", offload_policy={
+        "device": "cpu", "store": store, "expert_cache": "30%" if store == "disk" else "auto", "disk_reads": "direct"})
+    assert torch.equal(_generate(model), _generate(reference("tiny-Q4_K_M.gguf")))
+    probe = direct_io.open_direct(os.path.join(folder, "tiny-Q4_K_M.gguf"))    # None: no O_DIRECT here
+    if probe is not None:
+        os.close(probe)
+    if store == "disk":
+        assert hf_moe_offload.stats(model)["disk_reads"] == ("direct" if probe is not None else "buffered")
 
 
 def test_experts_are_gguf_dequantized_bit_for_bit(folder):

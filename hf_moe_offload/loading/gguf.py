@@ -85,6 +85,7 @@ def load_gguf_offloaded(model_cls: type, pretrained_model_name_or_path: str, pol
                                          gguf_file=gguf_file, device_map=placement.module_map, **kwargs)
     layers = arch.find_layers(model)
     store = DiskStore(layers, pieces, model.dtype, layouts=[_with_dtype(lay, model.dtype) for lay in layouts])
+    store.read_directly(placement.resolved.policy.disk_reads == "direct")
     device = torch.device(placement.resolved.policy.device)
     if placement.resolved.policy.store == "cpu":
         store = CpuStore.from_reader(store, device=device)

@@ -80,6 +80,7 @@ def packed_store(policy: OffloadPolicy, layers: list[MoELayer], pieces: list[lis
     dtype, device = layouts[0].compute_dtype, torch.device(policy.device)
     reads = [[layouts[lay.index].store_pieces(expert) for expert in pieces[lay.index]] for lay in layers]
     reader = DiskStore(layers, reads, dtype, layouts=layouts)
+    reader.read_directly(policy.disk_reads == "direct")
     return dense_store_for(CpuStore.from_reader(reader, device=device) if policy.store == "cpu" else reader, device)
 
 
