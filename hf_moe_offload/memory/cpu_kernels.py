@@ -9,8 +9,8 @@ The blocked copy is an opaque oneDNN tensor as large as the weight, made at a we
 budget taken from the memory available at registration, RAM or a container's limit (`prepack_budget`); past it,
 `F.linear` as before. Registered memory (`PrepackedWeights`): a CPU store's slabs (`for_store`), which the store
 never writes after loading, and the model's own bias-free linear layers on the CPU (`DenseLinears`: attention
-projections, routers, the head). A copy is remade if its weight was written in place since (the tensor's version counter). `disable()` and `state_dict()`
-read the store's slabs and the parameters, never a packed copy.
+projections, routers, the head). A copy is remade if its weight was written in place since (the tensor's version
+counter). `disable()` and `state_dict()` read the store's slabs and the parameters, never a packed copy.
 
 Opt-in, approximate (`HF_MOE_OFFLOAD_CPU_GEMV=1`): one-row products as a float32 reduction compiled by
 `torch.compile` (inductor's C++ backend, dynamic shapes: one compile for every weight shape), which reads the plain
@@ -66,9 +66,9 @@ def prepack_budget(available: int | None = None, total: int | None = None) -> in
     if available is None:
         available = available_host_bytes()
     if total is None:
-        container = container_memory()
-        total = psutil.virtual_memory().total if container is None else min(psutil.virtual_memory().total,
-                                                                             container.limit)
+        total, container = psutil.virtual_memory().total, container_memory()
+        if container is not None:
+            total = min(total, container.limit)
     return max(0, available - max(RESERVE_MIN_BYTES, int(RESERVE_FRACTION * total)))
 
 

@@ -346,7 +346,10 @@ class DiskStore(ExpertStore):
 
     def read_directly(self, on: bool = True) -> None:
         """Read the experts' bytes around the page cache (`disk_reads="direct"`), where the file system allows it;
-        a file whose file system refuses is read through the page cache, as before."""
+        a file whose file system refuses is read through the page cache, as before. Loading and the engine both
+        set it: a second call in the same state changes nothing."""
+        if on == (self._aligned is not None):
+            return
         self._aligned = AlignedBuffers() if on else None
         if not on:
             _close_fds(self._direct_fds, self._fds_lock)
