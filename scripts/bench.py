@@ -1003,8 +1003,8 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         # One expert as the row stores and moves it (quantized rows: fewer bytes than the checkpoint's).
         engine = hf_moe_offload.get_engine(model)
         result["ours"]["expert_bytes"] = engine.cache.slot_bytes
-        # What "auto" chose for the reads (the row's policy keeps what was asked).
-        result["ours"]["disk_reads"] = engine.policy.disk_reads
+        # What "auto" chose for the reads (the row's policy keeps what was asked; None: a library without it).
+        result["ours"]["disk_reads"] = getattr(engine.policy, "disk_reads", None)
         result["ours"]["reads_directly"] = bool(getattr(engine.store, "reads_directly", False))
     return result
 # ------------------------------------------------------------------------------------- continuous batching worker
