@@ -1,5 +1,5 @@
 """Read-ahead guesses of an on-demand pass land in the staging room and never evict a resident expert; speculative
-reads yield to demand reads, down to their chunks."""
+reads yield to demand reads, down to their chunks, until the forward needs them (promoted to demand reads)."""
 
 from __future__ import annotations
 
@@ -9,11 +9,13 @@ import time
 import torch
 
 
+from hf_moe_offload.memory import copy_engine
 from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.memory.eviction import make_eviction
 from hf_moe_offload.stats import OffloadStats
-from hf_moe_offload.storage import store as store_module
-from hf_moe_offload.storage.read_priority import DemandGate, PriorityReaders, reading_speculatively, speculative
+from hf_moe_offload.storage import read_priority, store as store_module
+from hf_moe_offload.storage.read_priority import (DemandGate, Promotion, PriorityReaders, reading_speculatively,
+                                                  speculative)
 from test_streaming import NUMEL, LayeredStore
 
 
@@ -90,7 +92,7 @@ def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way():
 
     disk = store_module.DiskStore.__new__(store_module.DiskStore)     # only the chunk reader is exercised
     disk._chunk_pool, disk._fds_lock, disk._demand = None, threading.Lock(), DemandGate()
-    guess = [(fake_read, ("guess", i), None) for i in range(8)]
+    guess = [(fake_read, ("guess", i), None) for i in range(24)]
     demand = [(fake_read, ("demand", i), None) for i in range(6)]
 
     def read_guess():
@@ -99,13 +101,109 @@ def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way():
 
     reader = threading.Thread(target=read_guess)
     reader.start()
-    time.sleep(0.006)                                   # the guess is under way, one chunk at a time
+    time.sleep(0.006)                                   # the guess is under way, a wave at a time
     began = time.perf_counter()
     disk._read_chunks(demand)
     ended = time.perf_counter()
     reader.join()
     guess_starts = [start for (kind, _), start, _ in spans if kind == "guess"]
-    assert len(guess_starts) == len(guess) and sorted(guess_starts) == guess_starts      # one by one
+    assert len(guess_starts) == len(guess)
     assert not [t for t in guess_starts if began < t < ended]    # none started while the demand read ran
     assert any(t > ended for t in guess_starts)                  # and the guess went on after it
 
+
+
+def _chunked_disk():
+    disk = store_module.DiskStore.__new__(store_module.DiskStore)     # only the chunk reader is exercised
+    disk._chunk_pool, disk._fds_lock, disk._demand = None, threading.Lock(), DemandGate()
+    return disk
+
+
+def test_a_promoted_guess_runs_next_as_a_demand_job():
+    readers = PriorityReaders(1)
+    gate, order = threading.Event(), []
+    readers.submit(gate.wait, demand=True)              # holds the only worker
+    guesses = [readers.submit(lambda i=i: order.append((i, reading_speculatively())), demand=False)
+               for i in range(3)]
+    guesses[2].promote()                                # the forward now waits for the last guess
+    guesses[2].promote()                                # twice: still run once
+    gate.set()
+    for future in guesses:
+        future.result()
+    assert order == [(2, False), (0, True), (1, True)]
+    readers.close()
+
+
+def test_a_guess_promoted_mid_read_reads_the_rest_at_once_beside_a_demand_read():
+    spans, lock = [], threading.Lock()
+
+    def fake_read(rng, buffer):
+        start = time.perf_counter()
+        time.sleep(0.01)
+        with lock:
+            spans.append((rng, start, time.perf_counter()))
+
+    disk, promotion = _chunked_disk(), Promotion()
+    guess = [(fake_read, ("guess", i), None) for i in range(12)]
+
+    def read_guess():
+        with speculative(promotion):
+            disk._read_chunks(guess)
+
+    with disk._demand.demand():                          # a demand read under way: the guess waits
+        reader = threading.Thread(target=read_guess)
+        reader.start()
+        time.sleep(0.03)
+        assert not spans                                 # no chunk started behind the demand read
+        promotion.promote()                              # the forward needs the guess now
+        reader.join(timeout=5)
+    assert not reader.is_alive()
+    assert sorted(rng for rng, _, _ in spans) == sorted(rng for _, rng, _ in guess)     # every chunk, once
+    starts = sorted(start for _, start, _ in spans)
+    assert starts[store_module.CHUNK_READERS] - starts[0] < 0.01 * 2   # read several at once, not one by one
+
+
+def test_a_speculative_read_uses_smaller_chunks_and_several_at_once(monkeypatch):
+    in_flight, most, lock = [0], [0], threading.Lock()
+
+    def fake_read(rng, buffer):
+        with lock:
+            in_flight[0] += 1
+            most[0] = max(most[0], in_flight[0])
+        time.sleep(0.003)
+        with lock:
+            in_flight[0] -= 1
+
+    disk = _chunked_disk()
+    with speculative():
+        disk._read_chunks([(fake_read, i, None) for i in range(8)])
+    assert most[0] == store_module.CHUNK_READERS
+    assert store_module.SPECULATIVE_CHUNK_BYTES < store_module.READ_CHUNK_BYTES
+
+
+class SlowStore(LayeredStore):
+    """Reads take a while."""
+
+    def read_into(self, layer, expert, dst):
+        time.sleep(0.02)
+        super().read_into(layer, expert, dst)
+
+
+def test_a_guess_still_being_read_when_its_layer_needs_it_is_promoted_to_a_demand_read(monkeypatch):
+    promoted, promote = [], read_priority.ReadFuture.promote
+
+    def recording(future):
+        promoted.append(future.promotion is not None and not future.done())
+        promote(future)
+    monkeypatch.setattr(read_priority.ReadFuture, "promote", recording)
+    monkeypatch.setattr(copy_engine, "DISK_READERS", 1)        # one read at a time: the guesses come last
+    store = SlowStore(3, 8)
+    cache = ExpertCache(store, torch.device("cpu"), 8 * NUMEL * 4, make_eviction("layer", 3), OffloadStats(3, 0))
+    cache.begin_pass(None, ahead_room=2)
+    cache.read_ahead(1, [6, 7])                             # layer 0 computes: layer 1's guesses are read meanwhile
+    list(cache.fetch(0, [0, 1]))
+    out = {e: float(slab[0]) for e, slab in cache.fetch(1, [6, 7])}
+    assert out == {6: 106.0, 7: 107.0}
+    assert any(promoted)                                    # a guess still on its way was promoted
+    snap = cache.stats.snapshot()
+    assert snap["prefetch_hits"] == 2 and snap["misses"] == 2

@@ -6,6 +6,10 @@ speculative expert read runs under `speculative()`, which `DiskStore` sees: it t
 each only while no demand read is under way (`DemandGate`), so a guess being read yields to a demand read between
 its chunks and holds at most one chunk in flight.
 
+A guess that turns out right is waited for by the forward: `ReadFuture.promote()` then makes it a demand read. A
+job still queued runs next, as a demand job; a read under way reads its remaining chunks as a demand read does
+(all at once, on the chunk readers), instead of one by one behind the demand reads it would otherwise yield to.
+
 Example:
     >>> readers = PriorityReaders(1)
     >>> readers.submit(reading_speculatively, demand=False).result()
@@ -21,17 +25,49 @@ import contextlib
 import heapq
 import itertools
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 _local = threading.local()
 
 
+class Promotion:
+    """Whether a speculative read has become a demand read (the forward now waits for it), and who to tell."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._promoted = False
+        self._listeners: list[Callable[[], None]] = []
+
+    @property
+    def promoted(self) -> bool:
+        return self._promoted
+
+    def promote(self) -> None:
+        with self._lock:
+            if self._promoted:
+                return
+            self._promoted = True
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            listener()
+
+    def on_promote(self, listener: Callable[[], None]) -> None:
+        """Call `listener` once promoted (now, if it already is)."""
+        with self._lock:
+            if not self._promoted:
+                self._listeners.append(listener)
+                return
+        listener()
+
+
 @contextlib.contextmanager
-def speculative() -> Iterator[None]:
-    """Reads made by this thread inside the block are for a guess: their chunks yield to demand reads."""
-    before = getattr(_local, "speculative", False)
-    _local.speculative = True
+def speculative(promotion: Promotion | None = None) -> Iterator[None]:
+    """Reads made by this thread inside the block are for a guess: their chunks yield to demand reads, until
+    `promotion` (if given) is promoted."""
+    before = getattr(_local, "speculative", None)
+    _local.speculative = promotion or Promotion()
     try:
         yield
     finally:
@@ -39,8 +75,14 @@ def speculative() -> Iterator[None]:
 
 
 def reading_speculatively() -> bool:
-    """Whether this thread's current read is for a guess (inside `speculative()`)."""
-    return getattr(_local, "speculative", False)
+    """Whether this thread's current read is for a guess (inside `speculative()`, not promoted)."""
+    promotion = getattr(_local, "speculative", None)
+    return promotion is not None and not promotion.promoted
+
+
+def current_promotion() -> Promotion | None:
+    """The promotion of this thread's speculative read (None outside `speculative()`)."""
+    return getattr(_local, "speculative", None)
 
 
 class DemandGate:
@@ -70,16 +112,46 @@ class DemandGate:
                 if self._active == 0:
                     self._cond.notify_all()
 
-    def wait_for_no_demand(self) -> None:
+    def wait_for_no_demand(self, promotion: Promotion | None = None) -> None:
+        """Return once no demand read is under way, or once `promotion` is promoted."""
+        if promotion is not None:
+            promotion.on_promote(self._wake)
         with self._cond:
-            self._cond.wait_for(lambda: self._active == 0)
+            self._cond.wait_for(lambda: self._active == 0 or (promotion is not None and promotion.promoted))
+
+    def _wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+
+class ReadFuture(Future):
+    """The future of a `PriorityReaders` job; `promote()` makes a speculative job a demand job (a no-op for a
+    demand job, or one already done)."""
+
+    def __init__(self, promotion: Promotion | None = None):
+        super().__init__()
+        self.promotion = promotion
+
+    def promote(self) -> None:
+        if self.promotion is not None and not self.done():
+            self.promotion.promote()
+
+
+class _Job:
+    """A queued job, pushed once more (as a demand job) when promoted; whichever push a worker pops first runs it."""
+
+    __slots__ = ("run", "future", "claimed")
+
+    def __init__(self, run: Callable[[], Any], future: ReadFuture):
+        self.run, self.future, self.claimed = run, future, False
 
 
 class PriorityReaders:
     """A thread pool that runs demand jobs before queued speculative jobs, first come first served within each.
 
     Each submission queues the job on a heap and wakes one worker, which runs the best job queued at that moment.
-    The workers are a `ThreadPoolExecutor`'s: they exit once this object is closed or garbage-collected.
+    A promoted speculative job (`ReadFuture.promote`) is queued again as a demand job. The workers are a
+    `ThreadPoolExecutor`'s: they exit once this object is closed or garbage-collected.
 
     Example:
         >>> readers = PriorityReaders(1)
@@ -90,16 +162,28 @@ class PriorityReaders:
 
     def __init__(self, workers: int):
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hf_moe_offload_copy")
-        self._jobs: list[tuple[int, int, Callable[[], Any], Future]] = []
+        self._jobs: list[tuple[int, int, _Job]] = []
         self._lock = threading.Lock()
         self._order = itertools.count()
 
-    def submit(self, job: Callable[[], Any], demand: bool) -> Future:
-        future: Future = Future()
-        with self._lock:
-            heapq.heappush(self._jobs, (0 if demand else 1, next(self._order), job, future))
-        self._pool.submit(_run_best, self._jobs, self._lock)
+    def submit(self, job: Callable[[], Any], demand: bool) -> ReadFuture:
+        future = ReadFuture(None if demand else Promotion())
+        entry = _Job(job, future)
+        self._push(entry, demand)
+        if future.promotion is not None:
+            readers = weakref.ref(self)      # a future kept after the pool is dropped does not keep it alive
+            future.promotion.on_promote(lambda: (r := readers()) is not None and r._push(entry, True))
         return future
+
+    def _push(self, entry: _Job, demand: bool) -> None:
+        with self._lock:
+            if entry.claimed:        # promoted while running: the read itself switches to demand
+                return
+            heapq.heappush(self._jobs, (0 if demand else 1, next(self._order), entry))
+        try:
+            self._pool.submit(_run_best, self._jobs, self._lock)
+        except RuntimeError:        # closed: `close` runs every job queued before, this one's first push too
+            pass
 
     def close(self) -> None:
         """Run every queued job, then stop the threads."""
@@ -110,15 +194,19 @@ def _run_best(jobs: list, lock: threading.Lock) -> None:
     """Run the highest-priority queued job and settle its future (a module function: workers hold no pool); a
     speculative job runs under `speculative()`, so the reads it makes yield to demand reads chunk by chunk."""
     with lock:
-        priority, _, job, future = heapq.heappop(jobs)
+        _, _, entry = heapq.heappop(jobs)
+        if entry.claimed:                 # the other push of a promoted job ran it
+            return
+        entry.claimed = True
+    future = entry.future
     if not future.set_running_or_notify_cancel():
         return
     try:
-        if priority:
-            with speculative():
-                result = job()
+        if future.promotion is not None and not future.promotion.promoted:
+            with speculative(future.promotion):
+                result = entry.run()
         else:
-            result = job()
+            result = entry.run()
     except BaseException as err:   # the waiter re-raises it; the worker stays alive for the next job
         future.set_exception(err)
     else:

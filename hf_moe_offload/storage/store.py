@@ -36,7 +36,7 @@ from .gguf_layout import GGUFSlabLayout
 from .integrity import ExpertChecksums, FileIdentity, check_identity
 from .packed_layout import PackedSlabLayout
 from .quantize import QuantizedSlabLayout
-from .read_priority import DemandGate, reading_speculatively
+from .read_priority import DemandGate, Promotion, current_promotion, reading_speculatively
 
 # cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.
 PAGE = mmap.PAGESIZE
@@ -256,6 +256,10 @@ class ExpertStore:
 
 READ_CHUNK_BYTES = 4 << 20   # one expert's bytes are read in pieces of this size ...
 CHUNK_READERS = 4            # ... by this many threads at once
+# A guess read ahead is read in smaller pieces, a wave of CHUNK_READERS at a time while no demand read is under
+# way: the disk needs several reads in flight for its bandwidth, and a demand read that arrives waits only for the
+# wave in flight.
+SPECULATIVE_CHUNK_BYTES = 1 << 20
 
 
 class DiskStore(ExpertStore):
@@ -334,8 +338,8 @@ class DiskStore(ExpertStore):
                 continue
             raw = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             reader = self._chunk_reader(piece.source.path, fd)
-            chunks += [(reader, rng, raw[start:start + rng.nbytes]) for rng, start in split_range(piece.source,
-                                                                                                READ_CHUNK_BYTES)]
+            size = SPECULATIVE_CHUNK_BYTES if reading_speculatively() else READ_CHUNK_BYTES
+            chunks += [(reader, rng, raw[start:start + rng.nbytes]) for rng, start in split_range(piece.source, size)]
         self._read_chunks(chunks)
         if self.checksums is not None:        # the bytes as they are in the file, before any reordering
             path = self.pieces[layer][expert][0].source.path
@@ -385,26 +389,40 @@ class DiskStore(ExpertStore):
 
     def _read_chunks(self, chunks: list) -> None:
         """Read every (read, range, buffer). A demand read takes the first chunk on this thread and the rest on the
-        chunk readers at once; a speculative read (`read_priority.speculative`) reads them one by one on this
-        thread, each once no demand read is under way, so it yields to demand reads between chunks."""
+        chunk readers at once; a speculative read (`read_priority.speculative`) reads them in waves
+        (`_read_yielding`), each once no demand read is under way; once promoted (the forward waits for it), the
+        rest is read as a demand read."""
         if reading_speculatively():
-            for read, rng, buf in chunks:
-                self._demand.wait_for_no_demand()
-                read(rng, buf)
-            return
+            chunks = self._read_yielding(chunks, current_promotion())
+            if not chunks:
+                return
+        with self._demand.demand():
+            self._read_at_once(chunks)
+
+    def _read_at_once(self, chunks: list) -> None:
+        """The first chunk on this thread, the rest on the chunk readers, all at once."""
         if len(chunks) > 1 and self._chunk_pool is None:
             with self._fds_lock:
                 if self._chunk_pool is None:
                     self._chunk_pool = ThreadPoolExecutor(CHUNK_READERS, thread_name_prefix="hf_moe_offload_chunk")
-        with self._demand.demand():
-            futures = [self._chunk_pool.submit(read, rng, buf) for read, rng, buf in chunks[1:]]
-            try:
-                if chunks:
-                    read, rng, buf = chunks[0]
-                    read(rng, buf)
-            finally:
-                for future in futures:
-                    future.result()              # re-raises a failed chunk's error
+        futures = [self._chunk_pool.submit(read, rng, buf) for read, rng, buf in chunks[1:]]
+        try:
+            if chunks:
+                read, rng, buf = chunks[0]
+                read(rng, buf)
+        finally:
+            for future in futures:
+                future.result()              # re-raises a failed chunk's error
+
+    def _read_yielding(self, chunks: list, promotion: Promotion) -> list:
+        """Read `chunks` in waves of `CHUNK_READERS`, each once no demand read is under way; the chunks left once
+        `promotion` is promoted (none when all were read)."""
+        for start in range(0, len(chunks), CHUNK_READERS):
+            self._demand.wait_for_no_demand(promotion)
+            if promotion.promoted:
+                return chunks[start:]
+            self._read_at_once(chunks[start:start + CHUNK_READERS])
+        return []
 
     def _bounce_buffer(self, nbytes: int) -> torch.Tensor:
         """This thread's bounce buffer, grown to at least `nbytes` (reused across pieces and experts)."""
