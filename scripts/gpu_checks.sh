@@ -69,9 +69,11 @@ case "$phase" in
         exit "${PIPESTATUS[0]}" ;;
     bench-quick)
         # Caps below one layer's 2.8 GB of experts plus the working memory, so the cache must evict: 3 GiB for
-        # batch 1 (batch 64 does not fit there and is dropped), 5 GiB for both.
+        # batch 1 (batch 64 does not fit there and is dropped), 5 GiB for both. Last (rows are kept as they come,
+        # so a cut run loses only these): CPU attention, whole batch against two micro-batches (their overlap).
         cmd=("$py" scripts/bench.py --device cuda --layers 1 --batch-sizes 1 64 --caps-gib 3 5 --stores cpu
-             --systems accelerate hf_moe_offload_layer --workdir "$workdir" --out "$out/gpu_quick") ;;
+             --systems accelerate hf_moe_offload_layer hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2
+             --workdir "$workdir" --out "$out/gpu_quick") ;;
 esac
 echo "${cmd[*]}" > "$out/$phase.command"
 timeout -s INT "${BENCH_TIMEOUT_S:-200}" "${cmd[@]}" 2>&1 | tee "$out/$phase.log"

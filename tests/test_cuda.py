@@ -28,6 +28,7 @@ from hf_moe_offload._compat import cache_keyword
 from conftest import VOCAB, model_class, offloaded, reference, token_inputs
 from hf_moe_offload.memory.cache import ExpertCache
 from hf_moe_offload.memory.copy_engine import CudaCopyEngine
+from hf_moe_offload.runtime import microbatch
 from hf_moe_offload.layout import SlabLayout
 from hf_moe_offload.stats import OffloadStats
 from hf_moe_offload.storage.store import PAGE, CpuStore, ExpertStore
@@ -833,6 +834,33 @@ def test_micro_batches_on_the_gpu_keep_tokens_and_read_each_expert_once(tiny_mod
     assert snap["micro_batches"]["split"] > 0 and snap["micro_batches"]["whole"] == 0
     assert snap["repeat_reads"] == 0 and snap["misses"] > 0
     assert hf_moe_offload.get_engine(model).cache.held == 0
+
+
+def test_micro_batches_with_cpu_attention_run_each_slice_on_its_own_stream(tiny_models):
+    """The CGOPipe overlap on CUDA: with CPU attention each slice's experts run on a stream of its own, not on the
+    caller's, where the next slice's blocking copy to the host would wait for them; resident tokens, pins back."""
+    path = tiny_models["mixtral"]
+    ids, mask = _ids(batch=5, left_pad=True)
+    expected = _generate(_resident("mixtral", path), ids, mask)
+    model = _on_gpu("mixtral", path, store="cpu", expert_cache="60%", attention="cpu", micro_batches=2)
+    engine = hf_moe_offload.get_engine(model)
+    seen = []
+
+    def note_stream(module, args):
+        current = microbatch.current()
+        seen.append((None if current is None else current.index, torch.cuda.current_stream(CUDA).stream_id))
+    handle = model.get_submodule(engine.layers[0].name).register_forward_pre_hook(note_stream)
+    caller = torch.cuda.current_stream(CUDA).stream_id
+    try:
+        assert torch.equal(_generate(model, ids, mask), expected)
+    finally:
+        handle.remove()
+    streams: dict = {}
+    for index, stream in seen:
+        streams.setdefault(index, set()).add(stream)
+    assert set(streams) == {0, 1}
+    assert caller not in streams[0] | streams[1] and streams[0].isdisjoint(streams[1])
+    assert engine.cache.held == 0
 
 
 @pytest.mark.parametrize("store", ["cpu", "disk"])

@@ -4,6 +4,8 @@ whole batch run at once where slicing would change what the caller gets."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig
@@ -11,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig
 import hf_moe_offload
 from hf_moe_offload.planning.footprint import Footprint
 from hf_moe_offload.planning.resolve import resolve_micro_batches
+from hf_moe_offload.runtime import microbatch, slice_streams
 from hf_moe_offload.runtime.microbatch import MicroBatchCacheView, bounds
 from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 from conftest import CAUSAL_FAMILIES, COMMON, offloaded, reference, token_inputs
@@ -254,3 +257,53 @@ def test_a_base_model_call_recording_router_logits_runs_whole(tiny_models):
     assert len(got.router_logits) == len(want.router_logits)
     for a, b in zip(got.router_logits, want.router_logits):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class RecordingStreams:
+    """Stands in for `slice_streams.SliceStreams` on the CPU: records which slice ran inside its stream, and when
+    the caller's stream joined them."""
+
+    def __init__(self, events: list):
+        self.events = events
+
+    @contextlib.contextmanager
+    def running(self, index):
+        self.events.append(("enter", index, microbatch.current().index))
+        yield
+        self.events.append(("leave", index))
+
+    def join(self):
+        self.events.append(("join",))
+
+
+def test_each_slice_runs_on_its_own_stream_and_the_layer_joins_them_before_releasing_the_experts(tiny_models,
+                                                                                                 monkeypatch):
+    """With CPU attention on CUDA each slice runs on a stream of its own (`slice_streams`); here the streams are
+    stand-ins that record the order: every slice inside its own stream, the join after the last slice and before
+    the held experts are released."""
+    events: list = []
+    calls = []
+
+    def for_layer_call(model, hidden, count):
+        calls.append(count)
+        return RecordingStreams(events)
+    monkeypatch.setattr(slice_streams, "for_layer_call", for_layer_call)
+    ids, mask = token_inputs(batch=4, length=7, seed=3, left_pad=True)
+    ref = _generate(reference("mixtral", tiny_models["mixtral"]), ids, mask)
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICY, micro_batches=2, attention="cpu")
+    engine = hf_moe_offload.get_engine(model)
+    release = engine.micro_batched.on_end
+    engine.micro_batched.on_end = lambda: (events.append(("release",)), release())
+    out = _generate(model, ids, mask)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert calls and set(calls) == {2}
+    one_call = [("enter", 0, 0), ("leave", 0), ("enter", 1, 1), ("leave", 1), ("join",), ("release",)]
+    assert events == one_call * len(calls)
+    assert engine.cache.held == 0
+
+
+def test_slices_share_the_layer_stream_off_cuda_and_without_cpu_attention(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], **POLICY, micro_batches=2, attention="cpu")
+    assert slice_streams.for_layer_call(model, torch.zeros(2, 3, 4), 2) is None        # a CPU batch
+    k = torch.ones(2, 3)
+    assert slice_streams.ready_marker(k) is None and slice_streams.consume(k) is k

@@ -106,11 +106,10 @@ def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, store: str, cach
                           where: str = "") -> int:
     """`micro_batches` as a number. "auto" is 1 (off): the slices pay only where one slice's host attention
     overlaps the previous slice's device experts (a GPU with CPU attention), they cost bytes (a layer's experts
-    stay in the cache until its last slice, so the resident set is smaller: docs/benchmarks.md), and on CUDA the
-    slices' overlap is not built yet (a blocking copy of the next slice's activations waits for the previous
-    slice's experts). A number above 1 is checked: the cache
-    must hold a whole layer's experts beside the resident layers' (`where`: the device whose share `cache_bytes`
-    is, for the message).
+    stay in the cache until its last slice, so the resident set is smaller: docs/benchmarks.md), and the overlap
+    on CUDA (each slice on its own stream, `runtime.slice_streams`) has not been measured yet. A number above 1 is
+    checked: the cache must hold a whole layer's experts beside the resident layers' (`where`: the device whose
+    share `cache_bytes` is, for the message).
 
     Example:
         >>> fp = Footprint(expert_bytes=64 << 10, slab_bytes=1 << 10, resident_bytes=0, top_k=2, layer_experts=(8,) * 8)

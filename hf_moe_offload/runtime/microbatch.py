@@ -4,8 +4,8 @@ the other, and the layer's experts stay in the cache until the last slice has us
 needs is read once and serves every micro-batch.
 
 Why: on a GPU with CPU attention (`attention="cpu"`), the device's expert kernels of one micro-batch are queued
-asynchronously, and the CPU attention of the next micro-batch runs meanwhile, so host attention and device expert
-compute overlap (CGOPipe); attention's activations (scores, the mask) are also bounded by a micro-batch instead of
+asynchronously, each slice on a CUDA stream of its own (`slice_streams`), and the CPU attention of the next
+micro-batch runs meanwhile, so host attention and device expert compute overlap (CGOPipe); attention's activations (scores, the mask) are also bounded by a micro-batch instead of
 the whole batch. `generate` is unchanged: the model's own decoder layers run on slices of their inputs.
 
 How, without patching a model class:
@@ -36,6 +36,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
@@ -48,6 +49,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 
 from .._compat import CACHE_NAMES, kv_cache
 from ..attention.cpu import HostLayer, HostSlidingWindowLayer
+from . import slice_streams
 
 logger = logging.getLogger(__name__)
 
@@ -113,9 +115,9 @@ class MicroBatchCacheView:
     """
 
     def __init__(self, cache: DynamicCache, rows: tuple[int, int], index: int, count: int,
-                 pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]]):
+                 pending: dict[int, list[tuple[torch.Tensor, torch.Tensor, Any]]]):
         self._cache, self._rows, self._index, self._count = cache, rows, index, count
-        self._pending = pending           # layer -> the new (keys, values) of the slices so far, shared by the views
+        self._pending = pending     # layer -> the new (keys, values, ready marker) of the slices so far, shared
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._cache, name)
@@ -123,7 +125,7 @@ class MicroBatchCacheView:
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
                ) -> tuple[torch.Tensor, torch.Tensor]:
         pieces = self._pending.setdefault(layer_idx, [])
-        pieces.append((key_states, value_states))
+        pieces.append((key_states, value_states, slice_streams.ready_marker(key_states)))
         start, end = self._rows
         if self._index < self._count - 1:
             return self._visible(layer_idx, key_states, value_states)
@@ -131,8 +133,10 @@ class MicroBatchCacheView:
         if len(pieces) != self._count:
             raise RuntimeError(f"micro-batched layer {layer_idx}: {len(pieces)} cache updates for {self._count} "
                                f"micro-batches")
-        keys, values = self._cache.update(torch.cat([k for k, _ in pieces]), torch.cat([v for _, v in pieces]),
-                                          layer_idx, *args, **kwargs)
+        # The earlier slices' rows may come from other streams (`slice_streams`): wait for them, keep them.
+        keys = torch.cat([slice_streams.consume(k, made) for k, _, made in pieces])
+        values = torch.cat([slice_streams.consume(v, made) for _, v, made in pieces])
+        keys, values = self._cache.update(keys, values, layer_idx, *args, **kwargs)
         return keys[start:end], values[start:end]
 
     def _visible(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor
@@ -143,7 +147,8 @@ class MicroBatchCacheView:
         out = []
         for new, old in ((key_states, getattr(layer, "keys", None)), (value_states, getattr(layer, "values", None))):
             if layer is not None and layer.is_initialized and old is not None and old.numel():
-                new = torch.cat([old[start:end], new.to(old.device)], dim=-2)
+                # The last slice's update replaces the cache's tensors on its own stream: keep this read's.
+                new = torch.cat([slice_streams.consume(old)[start:end], new.to(old.device)], dim=-2)
             out.append(new)
         if isinstance(layer, DynamicSlidingWindowLayer) and layer.is_initialized and layer.record_past:
             visible = layer.sliding_window - 1 + key_states.shape[-2]
@@ -241,6 +246,7 @@ class MicroBatchedLayers:
         cache_name, cache = kv_cache(kwargs)
         pending: dict = {}
         outputs = []
+        streams = slice_streams.for_layer_call(self.model, hidden, len(slices))
         try:
             for i, rows in enumerate(slices):
                 _local.micro_batch = MicroBatch(i, len(slices), total_tokens)
@@ -249,8 +255,11 @@ class MicroBatchedLayers:
                           for k, v in kwargs.items()}
                 if cache is not None:
                     sliced[cache_name] = MicroBatchCacheView(cache, rows, i, len(slices), pending)
-                outputs.append(forward(*sliced_args, **sliced))
+                with streams.running(i) if streams is not None else contextlib.nullcontext():
+                    outputs.append(forward(*sliced_args, **sliced))
         finally:
+            if streams is not None:   # before the held experts are released: their markers then cover every slice
+                streams.join()
             _local.micro_batch = None
             if self.on_end is not None:
                 self.on_end()
