@@ -23,6 +23,7 @@ import os
 import resource
 import threading
 import weakref
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Sequence
 
@@ -256,9 +257,8 @@ class ExpertStore:
 
 READ_CHUNK_BYTES = 4 << 20   # one expert's bytes are read in pieces of this size ...
 CHUNK_READERS = 4            # ... by this many threads at once
-# A guess read ahead is read in smaller pieces, a wave of CHUNK_READERS at a time while no demand read is under
-# way: the disk needs several reads in flight for its bandwidth, and a demand read that arrives waits only for the
-# wave in flight.
+# A guess read ahead is read in smaller pieces, CHUNK_READERS of them in flight while no demand read is under way:
+# the disk needs several reads in flight for its bandwidth, and a demand read that arrives waits only for those.
 SPECULATIVE_CHUNK_BYTES = 1 << 20
 
 
@@ -389,9 +389,9 @@ class DiskStore(ExpertStore):
 
     def _read_chunks(self, chunks: list) -> None:
         """Read every (read, range, buffer). A demand read takes the first chunk on this thread and the rest on the
-        chunk readers at once; a speculative read (`read_priority.speculative`) reads them in waves
-        (`_read_yielding`), each once no demand read is under way; once promoted (the forward waits for it), the
-        rest is read as a demand read."""
+        chunk readers at once; a speculative read (`read_priority.speculative`) keeps a few in flight
+        (`_read_yielding`), each started once no demand read is under way; once promoted (the forward waits for
+        it), the rest is read as a demand read."""
         if reading_speculatively():
             chunks = self._read_yielding(chunks, current_promotion())
             if not chunks:
@@ -401,11 +401,7 @@ class DiskStore(ExpertStore):
 
     def _read_at_once(self, chunks: list) -> None:
         """The first chunk on this thread, the rest on the chunk readers, all at once."""
-        if len(chunks) > 1 and self._chunk_pool is None:
-            with self._fds_lock:
-                if self._chunk_pool is None:
-                    self._chunk_pool = ThreadPoolExecutor(CHUNK_READERS, thread_name_prefix="hf_moe_offload_chunk")
-        futures = [self._chunk_pool.submit(read, rng, buf) for read, rng, buf in chunks[1:]]
+        futures = [self._chunk_readers().submit(read, rng, buf) for read, rng, buf in chunks[1:]]
         try:
             if chunks:
                 read, rng, buf = chunks[0]
@@ -415,14 +411,28 @@ class DiskStore(ExpertStore):
                 future.result()              # re-raises a failed chunk's error
 
     def _read_yielding(self, chunks: list, promotion: Promotion) -> list:
-        """Read `chunks` in waves of `CHUNK_READERS`, each once no demand read is under way; the chunks left once
-        `promotion` is promoted (none when all were read)."""
-        for start in range(0, len(chunks), CHUNK_READERS):
-            self._demand.wait_for_no_demand(promotion)
-            if promotion.promoted:
-                return chunks[start:]
-            self._read_at_once(chunks[start:start + CHUNK_READERS])
-        return []
+        """Read `chunks` on the chunk readers, up to `CHUNK_READERS` in flight, each started once no demand read is
+        under way; the chunks not started once `promotion` is promoted (none when all were read)."""
+        in_flight: deque = deque()
+        try:
+            for i, (read, rng, buf) in enumerate(chunks):
+                if len(in_flight) == CHUNK_READERS:
+                    in_flight.popleft().result()
+                self._demand.wait_for_no_demand(promotion)
+                if promotion.promoted:
+                    return chunks[i:]
+                in_flight.append(self._chunk_readers().submit(read, rng, buf))
+            return []
+        finally:
+            for future in in_flight:
+                future.result()              # re-raises a failed chunk's error
+
+    def _chunk_readers(self) -> ThreadPoolExecutor:
+        if self._chunk_pool is None:
+            with self._fds_lock:
+                if self._chunk_pool is None:
+                    self._chunk_pool = ThreadPoolExecutor(CHUNK_READERS, thread_name_prefix="hf_moe_offload_chunk")
+        return self._chunk_pool
 
     def _bounce_buffer(self, nbytes: int) -> torch.Tensor:
         """This thread's bounce buffer, grown to at least `nbytes` (reused across pieces and experts)."""
