@@ -2,9 +2,9 @@
 
 A read the forward waits for (demand) must not queue behind a read of a guess (a prefetch, a read-ahead): the guess
 should use disk time that was idle, and cost nothing more. `PriorityReaders` runs queued demand jobs first; a
-speculative expert read runs under `speculative()`, which `DiskStore` sees: it then reads its chunks one at a time,
-each only while no demand read is under way (`DemandGate`), so a guess being read yields to a demand read between
-its chunks and holds at most one chunk in flight.
+speculative expert read runs under `speculative()`, which `DiskStore` sees: it then reads smaller chunks, a few in
+flight, each started only while no demand read is under way (`DemandGate`), so a guess being read yields to a
+demand read between its chunks.
 
 A guess that turns out right is waited for by the forward: `ReadFuture.promote()` then makes it a demand read. A
 job still queued runs next, as a demand job; a read under way reads its remaining chunks as a demand read does
