@@ -24,8 +24,9 @@ The default window (`default_window`) is what model cards report: the context th
 the checkpoint records it (`training_info.json`'s `settings.seq_len`, as this package's demo model has, or the
 config's `rope_scaling.original_max_position_embeddings`), else the model's `max_position_embeddings` (at most
 `DEFAULT_MAX_LENGTH`), else the tokenizer's `model_max_length`. The command prints the window and stride it used
-and where the window came from. A window longer than the training context usually gives a higher perplexity. Windows are batched with right padding (causal models: padding after a token never changes
-its logits). `perplexity` is the corpus value exp(total NLL / total scored tokens); `perplexities` are per text.
+and where the window came from. A window longer than the training context usually gives a higher perplexity. Windows
+are batched with right padding (causal models: padding after a token never changes its logits). `perplexity` is the
+corpus value exp(total NLL / total scored tokens); `perplexities` are per text.
 """
 
 from __future__ import annotations

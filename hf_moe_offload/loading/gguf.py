@@ -7,7 +7,8 @@ dequantization and the cast to the model dtype. Only its tensor loop is replaced
 (`blk.N.ffn_{gate,up,down}_exps`) are left unread and the experts' parameters stay on "meta". Each expert's blocks
 are then read from the file per expert into the store (quantized bytes, `GGUFSlabLayout`) and dequantized into the
 model dtype as they enter a CPU cache's dense slots (`DequantizingStore`), or kept so in a CUDA cache and
-dequantized when the expert computes: the values of transformers' own GGUF load, bit for bit. Every check (policy, architecture, block types, split files present) runs before anything is allocated.
+dequantized when the expert computes: the values of transformers' own GGUF load, bit for bit. Every check (policy,
+architecture, block types, split files present) runs before anything is allocated.
 """
 
 from __future__ import annotations

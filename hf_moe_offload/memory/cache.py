@@ -244,7 +244,7 @@ class ExpertCache:
         self.stats.record_prefetch(key[0], self.store.slab_bytes(key[0]), readahead=readahead)
         return True
 
-    # -- slots (also used by `_LayerFetch`) ----------------------------------------------------------------------------------------------------
+    # -- slots (also used by `_LayerFetch`) -------------------------------------------------------------------------
 
     def _load(self, slot: Slot, key: Key, demand: bool) -> None:
         if self.pass_state.note_load(key):

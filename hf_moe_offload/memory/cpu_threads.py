@@ -8,9 +8,10 @@ has not chosen a thread count (`OMP_NUM_THREADS`, `HF_MOE_OFFLOAD_THREADS` or `t
 other than torch's default), torch's thread count becomes the number of CPUs less the load other processes put on
 them (the 1-minute load average, rounded up, at most what others keep busy in a short sample at load: the average
 also counts this process, whose own loading may just have kept every core busy), at least 1.
-`HF_MOE_OFFLOAD_THREADS=N` sets N instead; `disable()` puts the previous count back. OpenMP's wait policy is read when the OpenMP runtime starts, before any library can
-set it: a process started with `OMP_WAIT_POLICY=PASSIVE` (threads sleep at a barrier instead of spinning) keeps
-every core, which measured faster than fewer threads beside a busy process (docs/benchmarks.md).
+`HF_MOE_OFFLOAD_THREADS=N` sets N instead; `disable()` puts the previous count back. OpenMP's wait policy is read
+when the OpenMP runtime starts, before any library can set it: a process started with `OMP_WAIT_POLICY=PASSIVE`
+(threads sleep at a barrier instead of spinning) keeps every core, which measured faster than fewer threads beside a
+busy process (docs/benchmarks.md).
 """
 
 from __future__ import annotations

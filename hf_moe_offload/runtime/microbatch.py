@@ -5,8 +5,9 @@ needs is read once and serves every micro-batch.
 
 Why: on a GPU with CPU attention (`attention="cpu"`), the device's expert kernels of one micro-batch are queued
 asynchronously, each slice on a CUDA stream of its own (`slice_streams`), and the CPU attention of the next
-micro-batch runs meanwhile, so host attention and device expert compute overlap (CGOPipe); attention's activations (scores, the mask) are also bounded by a micro-batch instead of
-the whole batch. `generate` is unchanged: the model's own decoder layers run on slices of their inputs.
+micro-batch runs meanwhile, so host attention and device expert compute overlap (CGOPipe); attention's activations
+(scores, the mask) are also bounded by a micro-batch instead of the whole batch. `generate` is unchanged: the
+model's own decoder layers run on slices of their inputs.
 
 How, without patching a model class:
 - `MicroBatchedLayers.attach` wraps each such decoder layer's `forward` on the instance (as accelerate's hooks
