@@ -101,7 +101,7 @@ def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way():
 
     reader = threading.Thread(target=read_guess)
     reader.start()
-    time.sleep(0.006)                                   # the guess is under way, a wave at a time
+    time.sleep(0.006)                                   # the guess is under way, a few chunks at a time
     began = time.perf_counter()
     disk._read_chunks(demand)
     ended = time.perf_counter()
@@ -110,7 +110,6 @@ def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way():
     assert len(guess_starts) == len(guess)
     assert not [t for t in guess_starts if began < t < ended]    # none started while the demand read ran
     assert any(t > ended for t in guess_starts)                  # and the guess went on after it
-
 
 
 def _chunked_disk():
@@ -170,7 +169,7 @@ def test_a_speculative_read_uses_smaller_chunks_and_several_at_once(monkeypatch)
         with lock:
             in_flight[0] += 1
             most[0] = max(most[0], in_flight[0])
-        time.sleep(0.003)
+        time.sleep(0.02)
         with lock:
             in_flight[0] -= 1
 
