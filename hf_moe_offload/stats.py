@@ -13,6 +13,7 @@
   and the model's own linear layers, `memory.cpu_kernels`);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those
   the router then used, those evicted unused; `readahead_issued`: the read-ahead's share of `prefetch_issued`;
+  `prefetch_promoted`: used ones still being read when their layer asked, whose rest was read as a demand read;
 - `repeat_reads`: experts read more than once within one forward pass;
 - `lookahead_guesses` / `lookahead_used`: router look-ahead guesses of a later layer's experts that were not resident
   (what a read-ahead would read) and those its router then chose, counted in on-demand passes whether or not they
@@ -51,7 +52,8 @@ from typing import Callable, Sequence
 
 PER_LAYER = ("hits", "misses", "evictions", "bytes_to_device", "stall_s", "experts_used",
              "cpu_computed", "cpu_compute_s", "cpu_bytes_read",
-             "prefetch_issued", "prefetch_hits", "prefetch_wasted", "readahead_issued", "repeat_reads",
+             "prefetch_issued", "prefetch_hits", "prefetch_wasted", "prefetch_promoted", "readahead_issued",
+             "repeat_reads",
              "lookahead_guesses", "lookahead_used")
 
 
@@ -143,7 +145,8 @@ def _prefetch_lines(d: dict) -> list[str]:
     lines = []
     if "prefetch_issued" in d:
         lines.append(f"prefetched {d['prefetch_issued']} (read-ahead {d.get('readahead_issued', 0)}): "
-                     f"{d.get('prefetch_hits', 0)} used, {d.get('prefetch_wasted', 0)} evicted unused")
+                     f"{d.get('prefetch_hits', 0)} used ({d.get('prefetch_promoted', 0)} still being read), "
+                     f"{d.get('prefetch_wasted', 0)} evicted unused")
     if "lookahead_on" in d:
         lines.append(f"look-ahead reading {'on' if d['lookahead_on'] else 'off'}: {d.get('lookahead_used', 0)} "
                      f"of {d.get('lookahead_guesses', 0)} guesses right, precision "
@@ -199,7 +202,8 @@ def _plan_lines(d: dict) -> list[str]:
 _SHOWN = {"hits", "misses", "hit_rate", "experts_used", "cpu_computed", "cpu_bytes_read", "evictions",
           "repeat_reads", "bytes_to_device", "resident_bytes", "peak_cache_bytes", "cache_capacity_bytes", "stall_s",
           "cpu_compute_s", "passes", "last_schedule", "forward_calls", "measured", "micro_batches",
-          "prefetch_issued", "readahead_issued", "prefetch_hits", "prefetch_wasted", "lookahead_on",
+          "prefetch_issued", "readahead_issued", "prefetch_hits", "prefetch_wasted", "prefetch_promoted",
+          "lookahead_on",
           "lookahead_used", "lookahead_guesses", "lookahead_precision", "lookahead_break_even",
           "lookahead_exposure", "lookahead_trial", "per_layer", "devices", "plan"}
 
@@ -268,6 +272,11 @@ class OffloadStats:
     def record_prefetch_hit(self, layer: int) -> None:
         with self._lock:
             self.layer["prefetch_hits"][layer] += 1
+
+    def record_prefetch_promoted(self, layer: int) -> None:
+        """A used speculative load still being read when its layer asked: the rest was read as a demand read."""
+        with self._lock:
+            self.layer["prefetch_promoted"][layer] += 1
 
     def record_prefetch_wasted(self, layer: int) -> None:
         with self._lock:

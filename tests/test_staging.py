@@ -124,8 +124,8 @@ def test_a_promoted_guess_runs_next_as_a_demand_job():
     readers.submit(gate.wait, demand=True)              # holds the only worker
     guesses = [readers.submit(lambda i=i: order.append((i, reading_speculatively())), demand=False)
                for i in range(3)]
-    guesses[2].promote()                                # the forward now waits for the last guess
-    guesses[2].promote()                                # twice: still run once
+    assert guesses[2].promote()                         # the forward now waits for the last guess
+    assert not guesses[2].promote()                     # twice: promoted once, run once
     gate.set()
     for future in guesses:
         future.result()
@@ -192,8 +192,9 @@ def test_a_guess_still_being_read_when_its_layer_needs_it_is_promoted_to_a_deman
     promoted, promote = [], read_priority.ReadFuture.promote
 
     def recording(future):
-        promoted.append(future.promotion is not None and not future.done())
-        promote(future)
+        did = promote(future)
+        promoted.append(did)
+        return did
     monkeypatch.setattr(read_priority.ReadFuture, "promote", recording)
     monkeypatch.setattr(copy_engine, "DISK_READERS", 1)        # one read at a time: the guesses come last
     store = SlowStore(3, 8)
@@ -206,3 +207,4 @@ def test_a_guess_still_being_read_when_its_layer_needs_it_is_promoted_to_a_deman
     assert any(promoted)                                    # a guess still on its way was promoted
     snap = cache.stats.snapshot()
     assert snap["prefetch_hits"] == 2 and snap["misses"] == 2
+    assert snap["prefetch_promoted"] == sum(promoted) >= 1  # and counted

@@ -393,8 +393,8 @@ class _LayerFetch:
                 key = self.first_arrived(done)
                 slot = cache.table.resident[key]
                 waited = slot.load is not None
-                if waited:      # a guess read ahead, now needed: read the rest of it as a demand read
-                    slot.load.promote()
+                if waited and slot.load.promote():   # a guess still being read: the rest is read as demand
+                    cache.stats.record_prefetch_promoted(key[0])
                 cache._wait(slot)
                 if not waited:                   # landed for someone else meanwhile: order this stream too
                     cache.order.order_read(slot)

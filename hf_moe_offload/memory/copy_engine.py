@@ -137,11 +137,11 @@ class CpuLoad:
     def wait(self) -> None:
         self._future.result()
 
-    def promote(self) -> None:
-        """The forward needs it now: a speculative read still queued or under way goes on as a demand read."""
+    def promote(self) -> bool:
+        """The forward needs it now: a speculative read still queued or under way goes on as a demand read (True
+        when this call did that)."""
         promote = getattr(self._future, "promote", None)
-        if promote is not None:
-            promote()
+        return promote is not None and promote()
 
     def done(self) -> bool:
         """Finished, successfully or not (a failure is raised by `wait`)."""
@@ -196,10 +196,10 @@ class CudaLoad:
     def __init__(self, device: torch.device, event: torch.cuda.Event | None = None, future: Future | None = None):
         self.device, self._event, self._future = device, event, future
 
-    def promote(self) -> None:
-        """The forward needs it now: a speculative disk read still queued or under way goes on as a demand read."""
-        if self._future is not None and hasattr(self._future, "promote"):
-            self._future.promote()
+    def promote(self) -> bool:
+        """The forward needs it now: a speculative disk read still queued or under way goes on as a demand read (True
+        when this call did that)."""
+        return self._future is not None and hasattr(self._future, "promote") and self._future.promote()
 
     def wait(self) -> None:
         event = self._future.result() if self._future is not None else self._event

@@ -44,14 +44,16 @@ class Promotion:
     def promoted(self) -> bool:
         return self._promoted
 
-    def promote(self) -> None:
+    def promote(self) -> bool:
+        """Promote (once); whether this call did."""
         with self._lock:
             if self._promoted:
-                return
+                return False
             self._promoted = True
             listeners, self._listeners = self._listeners, []
         for listener in listeners:
             listener()
+        return True
 
     def on_promote(self, listener: Callable[[], None]) -> None:
         """Call `listener` once promoted (now, if it already is)."""
@@ -132,9 +134,11 @@ class ReadFuture(Future):
         super().__init__()
         self.promotion = promotion
 
-    def promote(self) -> None:
-        if self.promotion is not None and not self.done():
-            self.promotion.promote()
+    def promote(self) -> bool:
+        """Whether this call promoted a speculative job still queued or under way."""
+        if self.promotion is None or self.done():
+            return False
+        return self.promotion.promote()
 
 
 class _Job:
