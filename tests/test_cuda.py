@@ -518,7 +518,8 @@ def test_c16_a_failed_read_leaves_nothing_resident_and_no_buffer_checked_out():
 # -- D. performance guards (loose bounds; numbers printed) -----------------------------------------------------------
 
 def _count_syncs(fn) -> int:
-    """Host syncs `fn` makes, counted with torch.cuda.set_sync_debug_mode("warn")."""
+    """Host syncs `fn` makes, counted with torch.cuda.set_sync_debug_mode("warn") (not its one-time notice that the
+    mode is a prototype, whose text also says "synchronizing")."""
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -527,7 +528,7 @@ def _count_syncs(fn) -> int:
             fn()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-    return sum("synchronizing" in str(w.message) for w in caught)
+    return sum("called a synchronizing CUDA operation" in str(w.message) for w in caught)
 
 
 def _decode_step(model, ids):

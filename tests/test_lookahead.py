@@ -225,3 +225,24 @@ def test_payoff_trial_keeps_reading_only_when_it_lowers_the_stall():
     even = PayoffTrial(block=1, rounds=1, hold=5, margin=0.05)
     run(even, stall_off=0.1, stall_on=0.098, passes=2)        # within the margin: not worth the bytes
     assert even.verdict == "off"
+
+
+def test_a_streamed_pass_over_resident_experts_guesses_nothing(tiny_models):
+    """With every expert of the next layer in the cache, the streamed read-ahead has nothing to read: it makes no
+    guess (ranking one brings the router's choice to the host, a host sync per layer on CUDA). Same tokens."""
+    ids, mask = token_inputs(batch=2, length=6, seed=4)
+    want = reference("mixtral", tiny_models["mixtral"]).generate(ids, attention_mask=mask, **GENERATE)
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="100%",
+                      schedule="stream")
+    lookahead = lookahead_of(model)
+    guesses, likely = [], lookahead.likely_experts
+
+    def counting(layer, hidden_states):
+        guesses.append(layer)
+        return likely(layer, hidden_states)
+    lookahead.likely_experts = counting
+    assert torch.equal(model.generate(ids, attention_mask=mask, **GENERATE), want)   # every expert read once
+    assert guesses                                       # the first passes guessed what to read
+    guesses.clear()
+    assert torch.equal(model.generate(ids, attention_mask=mask, **GENERATE), want)
+    assert guesses == []                                 # all resident now: nothing guessed

@@ -254,6 +254,8 @@ class RouterLookahead:
         if score and not read and self.eviction is None and hidden_states.is_cuda:
             self._score_later(nxt, hidden_states)
             return
+        if read and not score and self.eviction is None and self._all_resident(nxt):
+            return      # nothing to read: no guess needed (ranking one brings it to the host, a sync on CUDA)
         likely = self.likely_experts(nxt, hidden_states)
         if micro_batch is not None:     # the layer's slices so far name the next layer's experts together
             earlier = self._local.slice_guesses.get(nxt, []) if micro_batch.index > 0 else []
@@ -266,6 +268,10 @@ class RouterLookahead:
             self.cache.read_ahead(nxt, likely)
         if self.eviction is not None:
             self._predict_uses(nxt, likely, hidden_states)
+
+    def _all_resident(self, layer: int) -> bool:
+        """Whether every expert of `layer` is in the cache now."""
+        return all((layer, e) in self.cache.resident for e in range(self.layers[layer].layer.num_experts))
 
     def _score_later(self, nxt: int, hidden_states: torch.Tensor) -> None:
         """Score-only guesses on CUDA: the counts come to the host without a sync of their own (a copy into pinned
