@@ -34,6 +34,20 @@ def busy_within(reads: list[tuple[float, float]], start: float, end: float) -> f
     return total + (current[1] - current[0] if current else 0.0)
 
 
+def record_reads(store) -> list[tuple[float, float]]:
+    """Wrap `store.read_into` so that every expert read appends its (start, end) to the returned list."""
+    read_into, lock, reads = store.read_into, threading.Lock(), []
+
+    def timed_read(layer, expert, dst):
+        start = time.perf_counter()
+        read_into(layer, expert, dst)
+        with lock:
+            reads.append((start, time.perf_counter()))
+
+    store.read_into = timed_read
+    return reads
+
+
 def record(model_path: str, batch: int, prompt_len: int, new_tokens: int, policy: dict) -> dict:
     import torch
     from transformers import AutoModelForCausalLM, StoppingCriteria
@@ -48,17 +62,7 @@ def record(model_path: str, batch: int, prompt_len: int, new_tokens: int, policy
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.bfloat16, offload_policy=policy)
     engine = hf_moe_offload.get_engine(model)
-    store, lock = engine.store, threading.Lock()
-    reads: list[tuple[float, float]] = []
-    read_into = store.read_into
-
-    def timed_read(layer, expert, dst):
-        start = time.perf_counter()
-        read_into(layer, expert, dst)
-        with lock:
-            reads.append((start, time.perf_counter()))
-
-    store.read_into = timed_read
+    reads = record_reads(engine.store)
     layers: list[tuple[str, int, float]] = []
     for layer in engine.layers:
         layer.module.register_forward_pre_hook(lambda m, a, i=layer.index: layers.append(("in", i, time.perf_counter())))

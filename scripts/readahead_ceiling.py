@@ -29,13 +29,12 @@ import json
 import logging
 import os
 import platform
-import statistics
-import threading
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
 from bench import evict_from_page_cache, store_read_bandwidth   # this folder's benchmark: the same reads
+from read_timeline import busy_within, record_reads             # and its timeline's read clock
 
 log = logging.getLogger("readahead_ceiling")
 MODES = ("demand", "auto", "lookahead", "oracle")
@@ -87,15 +86,7 @@ def decode(model_path: str, mode: str, ids, new_tokens: int, routes: list | None
             def on_route(self, layer, experts):
                 oracle.on_route(layer, experts)
         engine.add_hook(Count())
-    store, lock, reads = engine.store, threading.Lock(), []
-    read_into = store.read_into
-
-    def timed_read(layer, expert, dst):
-        start = time.perf_counter()
-        read_into(layer, expert, dst)
-        with lock:
-            reads.append((start, time.perf_counter()))
-    store.read_into = timed_read
+    reads = record_reads(engine.store)
     steps: list[tuple[float, float]] = []
     counted = ("bytes_to_device", "misses", "readahead_issued", "prefetch_hits", "prefetch_wasted")
     after_prefill: dict[str, int] = {}
@@ -115,7 +106,7 @@ def decode(model_path: str, mode: str, ids, new_tokens: int, routes: list | None
                          pad_token_id=0, stopping_criteria=[Probe()])
     spans = [(left, entered) for (_, left), (entered, _) in zip(steps, steps[1:])]     # decode steps, no drop
     seconds = sum(e - s for s, e in spans)
-    busy = sum(_covered(reads, s, e) for s, e in spans)
+    busy = sum(busy_within(reads, s, e) for s, e in spans)
     snap = engine.stats_snapshot()
     decoded = {k: ((snap.get(k) or 0) - after_prefill[k]) / (new_tokens - 1) for k in counted}  # per decode step
     row = {"mode": mode, "decode_tok_s": len(spans) / seconds, "step_ms": 1e3 * seconds / len(spans),
@@ -127,19 +118,6 @@ def decode(model_path: str, mode: str, ids, new_tokens: int, routes: list | None
         row["routes"] = recorder.routes()
     hf_moe_offload.disable(model)
     return row
-
-
-def _covered(reads: list[tuple[float, float]], start: float, end: float) -> float:
-    """Seconds of [start, end] with at least one read in flight."""
-    spans = sorted((max(s, start), min(e, end)) for s, e in reads if e > start and s < end)
-    total, current = 0.0, None
-    for s, e in spans:
-        if current is None or s > current[1]:
-            total += 0.0 if current is None else current[1] - current[0]
-            current = [s, e]
-        else:
-            current[1] = max(current[1], e)
-    return total + (0.0 if current is None else current[1] - current[0])
 
 
 def resident_step(model_path: str, ids, new_tokens: int) -> tuple[float, list[int]]:

@@ -81,17 +81,27 @@ def test_a_guess_waits_for_a_demand_read_between_jobs_and_chunks():
     readers.close()
 
 
-def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way():
+def _chunked_disk():
+    disk = store_module.DiskStore.__new__(store_module.DiskStore)     # only the chunk reader is exercised
+    disk._chunk_pool, disk._fds_lock, disk._demand = None, threading.Lock(), DemandGate()
+    return disk
+
+
+def _timed_reads(seconds: float):
+    """A chunk read that takes `seconds`, and the (range, start, end) of every call to it."""
     spans, lock = [], threading.Lock()
 
     def fake_read(rng, buffer):
         start = time.perf_counter()
-        time.sleep(0.004)
+        time.sleep(seconds)
         with lock:
             spans.append((rng, start, time.perf_counter()))
+    return fake_read, spans
 
-    disk = store_module.DiskStore.__new__(store_module.DiskStore)     # only the chunk reader is exercised
-    disk._chunk_pool, disk._fds_lock, disk._demand = None, threading.Lock(), DemandGate()
+
+def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way():
+    fake_read, spans = _timed_reads(0.004)
+    disk = _chunked_disk()
     guess = [(fake_read, ("guess", i), None) for i in range(24)]
     demand = [(fake_read, ("demand", i), None) for i in range(6)]
 
@@ -112,12 +122,6 @@ def test_a_speculative_read_starts_no_chunk_while_a_demand_read_is_under_way():
     assert any(t > ended for t in guess_starts)                  # and the guess went on after it
 
 
-def _chunked_disk():
-    disk = store_module.DiskStore.__new__(store_module.DiskStore)     # only the chunk reader is exercised
-    disk._chunk_pool, disk._fds_lock, disk._demand = None, threading.Lock(), DemandGate()
-    return disk
-
-
 def test_a_promoted_guess_runs_next_as_a_demand_job():
     readers = PriorityReaders(1)
     gate, order = threading.Event(), []
@@ -134,14 +138,7 @@ def test_a_promoted_guess_runs_next_as_a_demand_job():
 
 
 def test_a_guess_promoted_mid_read_reads_the_rest_at_once_beside_a_demand_read():
-    spans, lock = [], threading.Lock()
-
-    def fake_read(rng, buffer):
-        start = time.perf_counter()
-        time.sleep(0.01)
-        with lock:
-            spans.append((rng, start, time.perf_counter()))
-
+    fake_read, spans = _timed_reads(0.01)
     disk, promotion = _chunked_disk(), Promotion()
     guess = [(fake_read, ("guess", i), None) for i in range(12)]
 

@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..storage.read_priority import PriorityReaders
+from ..storage.read_priority import PriorityReaders, ReadFuture
 from ..storage.store import ExpertStore, HostMemory
 
 EWMA = 0.3                 # weight of a new transfer measurement
@@ -140,8 +140,7 @@ class CpuLoad:
     def promote(self) -> bool:
         """The forward needs it now: a speculative read still queued or under way goes on as a demand read (True
         when this call did that)."""
-        promote = getattr(self._future, "promote", None)
-        return promote is not None and promote()
+        return isinstance(self._future, ReadFuture) and self._future.promote()
 
     def done(self) -> bool:
         """Finished, successfully or not (a failure is raised by `wait`)."""
@@ -199,7 +198,7 @@ class CudaLoad:
     def promote(self) -> bool:
         """The forward needs it now: a speculative disk read still queued or under way goes on as a demand read (True
         when this call did that)."""
-        return self._future is not None and hasattr(self._future, "promote") and self._future.promote()
+        return isinstance(self._future, ReadFuture) and self._future.promote()
 
     def wait(self) -> None:
         event = self._future.result() if self._future is not None else self._event

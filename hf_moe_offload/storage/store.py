@@ -318,6 +318,7 @@ class DiskStore(ExpertStore):
         layout = self.layouts[layer]
         parts = layout.regions(dst) if self.quantized else layout.views(dst[:layout.numel])
         chunks, interleaved, read = [], [], []
+        chunk_bytes = SPECULATIVE_CHUNK_BYTES if reading_speculatively() else READ_CHUNK_BYTES
         for piece in self.pieces[layer][expert]:
             if isinstance(piece.scales, Mxfp4Scales):    # MXFP4 (GPT-OSS): dequantized, transposed, whole part
                 read_mxfp4_into(piece.source, piece.scales, parts[piece.part], self._fd(piece.source.path),
@@ -338,8 +339,8 @@ class DiskStore(ExpertStore):
                 continue
             raw = memoryview(target.reshape(-1).view(torch.uint8).numpy())
             reader = self._chunk_reader(piece.source.path, fd)
-            size = SPECULATIVE_CHUNK_BYTES if reading_speculatively() else READ_CHUNK_BYTES
-            chunks += [(reader, rng, raw[start:start + rng.nbytes]) for rng, start in split_range(piece.source, size)]
+            chunks += [(reader, rng, raw[start:start + rng.nbytes])
+                       for rng, start in split_range(piece.source, chunk_bytes)]
         self._read_chunks(chunks)
         if self.checksums is not None:        # the bytes as they are in the file, before any reordering
             path = self.pieces[layer][expert][0].source.path
