@@ -5,6 +5,7 @@
 #
 #   bash scripts/gpu_checks.sh tests          # environment check (seconds), then tests/test_cuda.py, junit.xml
 #   bash scripts/gpu_checks.sh bench-quick    # one Mixtral-8x7B layer, batch 1 and 64: ours, accelerate, bound
+#   bash scripts/gpu_checks.sh bench-overlap  # CPU attention, whole batch against two micro-batches, layer resident
 #
 # Wheels in .whl/ (a newer transformers for a machine without network; CONTRIBUTING.md) are installed first.
 set -uo pipefail
@@ -18,8 +19,8 @@ tests_s=${TESTS_TIMEOUT_S:-480}        # the whole pytest run; SIGINT, so pytest
 per_test_s=${HF_MOE_OFFLOAD_CUDA_TEST_TIMEOUT:-90}
 
 case "$phase" in
-    tests|bench-quick) ;;
-    *) echo "usage: scripts/gpu_checks.sh tests|bench-quick [out folder]" >&2; exit 2 ;;
+    tests|bench-quick|bench-overlap) ;;
+    *) echo "usage: scripts/gpu_checks.sh tests|bench-quick|bench-overlap [out folder]" >&2; exit 2 ;;
 esac
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -74,6 +75,13 @@ case "$phase" in
         cmd=("$py" scripts/bench.py --device cuda --layers 1 --batch-sizes 1 64 --caps-gib 3 5 --stores cpu
              --systems accelerate hf_moe_offload_layer hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2
              --workdir "$workdir" --out "$out/gpu_quick") ;;
+    bench-overlap)
+        # Two micro-batches keep a layer's experts on the device until the second slice is done, so the cap must
+        # hold a layer (8 GiB): the rows then differ only in whether one slice's host attention overlaps the other's
+        # device experts.
+        cmd=("$py" scripts/bench.py --device cuda --layers 1 --batch-sizes 64 256 --caps-gib 8 --stores cpu
+             --systems hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2
+             --workdir "$workdir" --out "$out/gpu_overlap") ;;
 esac
 echo "${cmd[*]}" > "$out/$phase.command"
 timeout -s INT "${BENCH_TIMEOUT_S:-200}" "${cmd[@]}" 2>&1 | tee "$out/$phase.log"

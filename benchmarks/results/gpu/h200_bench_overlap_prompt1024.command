@@ -1,0 +1,1 @@
+python3 scripts/bench.py --device cuda --layers 1 --batch-sizes 16 64 --prompt-len 1024 --caps-gib 16 --stores cpu --systems hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2 --out benchmarks/results/gpu_overlap_long
