@@ -5,7 +5,7 @@
 #
 #   bash scripts/gpu_checks.sh tests          # environment check (seconds), then tests/test_cuda.py, junit.xml
 #   bash scripts/gpu_checks.sh bench-quick    # one Mixtral-8x7B layer, batch 1 and 64: ours, accelerate, bound
-#   bash scripts/gpu_checks.sh bench-overlap  # CPU attention, whole batch against two micro-batches, layer resident
+#   bash scripts/gpu_checks.sh bench-overlap  # CPU attention, whole batch against two micro-batches, 1024 tokens
 #
 # Wheels in .whl/ (a newer transformers for a machine without network; CONTRIBUTING.md) are installed first.
 set -uo pipefail
@@ -77,9 +77,10 @@ case "$phase" in
              --workdir "$workdir" --out "$out/gpu_quick") ;;
     bench-overlap)
         # Two micro-batches keep a layer's experts on the device until the second slice is done, so the cap must
-        # hold a layer (8 GiB): the rows then differ only in whether one slice's host attention overlaps the other's
-        # device experts.
-        cmd=("$py" scripts/bench.py --device cuda --layers 1 --batch-sizes 64 256 --caps-gib 8 --stores cpu
+        # hold a layer and 1024-token prompts' prefill (40 GiB): the rows then differ only in whether one slice's
+        # host attention overlaps the other's device experts.
+        cmd=("$py" scripts/bench.py --device cuda --layers 1 --batch-sizes 16 64 --prompt-len 1024 --caps-gib 40
+             --stores cpu
              --systems hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2
              --workdir "$workdir" --out "$out/gpu_overlap") ;;
 esac

@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig
 import hf_moe_offload
 from hf_moe_offload.planning.footprint import Footprint
 from hf_moe_offload.planning.resolve import resolve_micro_batches
+from hf_moe_offload.attention.cpu import move_cache_to_host
 from hf_moe_offload.runtime import microbatch, slice_streams
 from hf_moe_offload.runtime.microbatch import MicroBatchCacheView, bounds
 from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
@@ -111,20 +112,30 @@ def test_sliding_window_caches_split_exactly(tmp_path):
     assert hf_moe_offload.stats(model)["micro_batches"]["split"] > 0
 
 
-def test_cache_view_returns_what_the_real_update_returns():
+@pytest.mark.parametrize("host", [False, True], ids=["device_cache", "host_cache"])
+def test_cache_view_returns_what_the_real_update_returns(host):
     """Slice by slice, the keys/values each micro-batch attends to equal the rows of one whole-batch update, and
-    the cache ends up as after that update."""
+    the cache ends up as after that update. A host cache (CPU attention) hands the earlier slices views of its
+    buffer, so the cached rows are not copied per slice, and its length moves only with the last slice."""
     whole, split = DynamicCache(), DynamicCache()
+    if host:
+        move_cache_to_host(split)
     g = torch.Generator().manual_seed(0)
-    for step, length in enumerate([4, 1, 1]):
+    for step, length in enumerate([4, 1, 1, 70]):        # 70: past the host buffer's first capacity, so it grows
         k, v = (torch.randn(5, 2, length, 3, generator=g) for _ in range(2))
         want_k, want_v = whole.update(k, v, 0)
+        before = split.get_seq_length()
         pending: dict = {}
         rows = bounds(5, 2)
         for i, (a, b) in enumerate(rows):
             got_k, got_v = MicroBatchCacheView(split, (a, b), i, len(rows), pending).update(k[a:b], v[a:b], 0)
             assert torch.equal(got_k, want_k[a:b]) and torch.equal(got_v, want_v[a:b]), step
+            if host and i == 0 and before:
+                assert split.get_seq_length() == before
+                buffer = split.layers[0]._buffers_kv[0]
+                assert got_k.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()
         assert torch.equal(split.layers[0].keys, whole.layers[0].keys)
+        assert split.get_seq_length() == whole.get_seq_length()
         assert pending == {}
 
 

@@ -76,16 +76,47 @@ class HostLayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         n, s = self.get_seq_length(), key_states.shape[-2]
-        bufs = getattr(self, "_buffers_kv", None)
-        if (bufs is None or getattr(self, "_view", None) is not self.keys or bufs[0].shape[-2] < n + s
-                or bufs[0].shape[:2] != key_states.shape[:2] or bufs[1].shape[:2] != value_states.shape[:2]):
-            bufs = self._grow(n, n + s, key_states, value_states)
-        kbuf, vbuf = bufs
+        kbuf, vbuf = self._room(n, s, key_states, value_states)
         kbuf[:, :, n:n + s].copy_(key_states)
         vbuf[:, :, n:n + s].copy_(value_states)
         self.keys, self.values = kbuf[:, :, :n + s], vbuf[:, :, :n + s]
         self._view = self.keys
         return self.keys, self.values
+
+    def stage_rows(self, key_states: torch.Tensor, value_states: torch.Tensor, rows: tuple[int, int]
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """What `update` would return for the batch rows `rows` (a micro-batch), as views of the buffer: the new
+        rows are written past the cached length, which stays as it is until the whole batch's `update` (which
+        writes them again). The cached rows are not copied, as a concatenation would copy them.
+
+        Example:
+            >>> layer = HostLayer()
+            >>> _ = layer.update(torch.zeros(4, 1, 3, 2), torch.zeros(4, 1, 3, 2))
+            >>> k, v = layer.stage_rows(torch.ones(2, 1, 1, 2), torch.ones(2, 1, 1, 2), (2, 4))
+            >>> k.shape, layer.get_seq_length()
+            (torch.Size([2, 1, 4, 2]), 3)
+        """
+        start, end = rows
+        if not self.is_initialized or end > self.keys.shape[0] or self.keys.shape[1:2] != key_states.shape[1:2]:
+            raise ValueError(f"rows {rows} of new keys {tuple(key_states.shape)} do not fit this layer's cached "
+                             f"keys {tuple(self.keys.shape) if self.is_initialized else None}")
+        n, s = self.get_seq_length(), key_states.shape[-2]
+        kbuf, vbuf = self._room(n, s, self.keys, self.values)
+        self.keys, self.values = kbuf[:, :, :n], vbuf[:, :, :n]       # the same rows, now in the buffer's views
+        self._view = self.keys
+        kbuf[start:end, :, n:n + s].copy_(key_states)
+        vbuf[start:end, :, n:n + s].copy_(value_states)
+        return kbuf[start:end, :, :n + s], vbuf[start:end, :, :n + s]
+
+    def _room(self, n: int, s: int, like_keys: torch.Tensor, like_values: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The buffers, grown if they cannot take `s` rows after the `n` cached ones for a batch shaped like
+        `like_keys` / `like_values` (or if transformers replaced `keys`: beam reorder, `crop`)."""
+        bufs = getattr(self, "_buffers_kv", None)
+        if (bufs is None or getattr(self, "_view", None) is not self.keys or bufs[0].shape[-2] < n + s
+                or bufs[0].shape[:2] != like_keys.shape[:2] or bufs[1].shape[:2] != like_values.shape[:2]):
+            bufs = self._grow(n, n + s, like_keys, like_values)
+        return bufs
 
     def _grow(self, n: int, need: int, key_states: torch.Tensor, value_states: torch.Tensor):
         """New buffers of at least `need` rows holding the `n` rows cached now (wherever `keys` is).

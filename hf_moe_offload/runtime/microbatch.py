@@ -129,6 +129,10 @@ class MicroBatchCacheView:
         pieces.append((key_states, value_states, slice_streams.ready_marker(key_states)))
         start, end = self._rows
         if self._index < self._count - 1:
+            layer = self._cache.layers[layer_idx] if layer_idx < len(self._cache.layers) else None
+            if isinstance(layer, HostLayer) and layer.is_initialized and layer.get_seq_length():
+                # Host keys: written into the buffer's spare rows, the cached ones read in place (not copied).
+                return layer.stage_rows(key_states, value_states, self._rows)
             return self._visible(layer_idx, key_states, value_states)
         del self._pending[layer_idx]
         if len(pieces) != self._count:
