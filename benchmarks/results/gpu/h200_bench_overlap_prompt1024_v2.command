@@ -1,0 +1,1 @@
+python3 scripts/bench.py --device cuda --layers 1 --batch-sizes 16 64 --prompt-len 1024 --caps-gib 40 --stores cpu --systems hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2 --workdir /tmp/hf_moe_offload_bench --out /root/out/b/gpu_overlap

@@ -1,0 +1,1 @@
+python3 scripts/bench.py --device cuda --layers 1 --batch-sizes 64 --caps-gib 8 --stores cpu --systems hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2 --out /root/out/s/gpu_overlap_prompt128
