@@ -218,8 +218,10 @@ class OffloadPolicy:
                           "them: every expert is read once per pass and serves every slice (FlexGen's zig-zag, "
                           "Klotski's multi-batch, MoE-Lightning's CGOPipe). On a GPU with attention='cpu', one "
                           "slice's CPU attention runs while the device computes the previous slice's experts. "
-                          "Needs a cache holding one layer's experts (a smaller resident set: more bytes per pass); "
-                          "exact. \"auto\": 1 (off): where measured on a GPU, two slices were slower than one."},
+                          "Needs a cache holding one layer's experts (a smaller resident set: more bytes per pass). "
+                          "Exact on the CPU; on a GPU a slice's matmuls have fewer rows, which cuBLAS may round "
+                          "differently, so near-tied greedy tokens can differ from the whole batch's. \"auto\": 1 "
+                          "(off): where measured on a GPU, two slices were slower than one."},
     )
 
     quantize: str = field(
