@@ -71,9 +71,9 @@ case "$phase" in
     bench-quick)
         # Caps below one layer's 2.8 GB of experts plus the working memory, so the cache must evict: 3 GiB for
         # batch 1 (batch 64 does not fit there and is dropped), 5 GiB for both. Last (rows are kept as they come,
-        # so a cut run loses only these): CPU attention, whole batch against two micro-batches (their overlap).
+        # so a cut run loses only these): CPU attention. Micro-batches need a cap holding a layer: bench-overlap.
         cmd=("$py" scripts/bench.py --device cuda --layers 1 --batch-sizes 1 64 --caps-gib 3 5 --stores cpu
-             --systems accelerate hf_moe_offload_layer hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2
+             --systems accelerate hf_moe_offload_layer hf_moe_offload_cpu_attention
              --workdir "$workdir" --out "$out/gpu_quick") ;;
     bench-overlap)
         # Two micro-batches keep a layer's experts on the device until the second slice is done, so the cap must
