@@ -11,12 +11,12 @@ import torch
 from transformers import AutoModelForCausalLM, DynamicCache, MixtralConfig
 
 import hf_moe_offload
+from hf_moe_offload.attention.cpu import move_cache_to_host
 from hf_moe_offload.planning.footprint import Footprint
 from hf_moe_offload.planning.resolve import resolve_micro_batches
-from hf_moe_offload.attention.cpu import move_cache_to_host
+from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 from hf_moe_offload.runtime import microbatch, slice_streams
 from hf_moe_offload.runtime.microbatch import MicroBatchCacheView, bounds
-from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 from conftest import CAUSAL_FAMILIES, COMMON, offloaded, reference, token_inputs
 
 # 6 experts per layer, 2 layers: a layer's experts are half of all of them; 60% leaves room for the read-ahead.
