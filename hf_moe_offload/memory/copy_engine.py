@@ -31,7 +31,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from ..storage.read_priority import PriorityReaders, ReadFuture
+from ..storage.read_priority import PriorityReaders, promote_read
 from ..storage.store import ExpertStore, HostMemory
 
 EWMA = 0.3                 # weight of a new transfer measurement
@@ -140,7 +140,7 @@ class CpuLoad:
     def promote(self) -> bool:
         """The forward needs it now: a speculative read still queued or under way goes on as a demand read (True
         when this call did that)."""
-        return isinstance(self._future, ReadFuture) and self._future.promote()
+        return promote_read(self._future)
 
     def done(self) -> bool:
         """Finished, successfully or not (a failure is raised by `wait`)."""
@@ -198,7 +198,7 @@ class CudaLoad:
     def promote(self) -> bool:
         """The forward needs it now: a speculative disk read still queued or under way goes on as a demand read (True
         when this call did that)."""
-        return isinstance(self._future, ReadFuture) and self._future.promote()
+        return promote_read(self._future)
 
     def wait(self) -> None:
         event = self._future.result() if self._future is not None else self._event

@@ -141,6 +141,12 @@ class ReadFuture(Future):
         return self.promotion.promote()
 
 
+def promote_read(future: Future | None) -> bool:
+    """`future.promote()` for a `PriorityReaders` job; False for any other future (a read already done, or one
+    run on the caller's thread) or None."""
+    return isinstance(future, ReadFuture) and future.promote()
+
+
 class _Job:
     """A queued job, pushed once more (as a demand job) when promoted; whichever push a worker pops first runs it."""
 
