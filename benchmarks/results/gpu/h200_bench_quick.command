@@ -1,1 +1,1 @@
-python3 scripts/bench.py --device cuda --layers 1 --batch-sizes 1 64 --caps-gib 3 5 --stores cpu --systems accelerate hf_moe_offload_layer hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2 --workdir /tmp/hf_moe_offload_bench --out /root/out/b/gpu_quick
+python3 scripts/bench.py --device cuda --layers 1 --batch-sizes 1 64 --caps-gib 3 5 --stores cpu --systems accelerate hf_moe_offload_layer hf_moe_offload_cpu_attention --workdir /tmp/hf_moe_offload_bench --out /root/out/b/gpu_quick
