@@ -156,7 +156,7 @@ def test_a_file_system_without_o_direct_is_read_through_the_page_cache(checkpoin
     assert not get_engine(model).store.reads_directly
 
 
-def test_auto_reads_directly_only_in_a_container_that_cannot_keep_the_experts(monkeypatch):
+def test_auto_reads_directly_only_where_memory_cannot_keep_the_experts(monkeypatch):
     fp = Footprint(expert_bytes=1 << 30, slab_bytes=1 << 20, resident_bytes=1 << 28, top_k=2)
     policy = OffloadPolicy(device="cpu", store="disk", expert_cache="25%").validate()
 
@@ -168,9 +168,9 @@ def test_auto_reads_directly_only_in_a_container_that_cannot_keep_the_experts(mo
 
     assert machine(16 << 30, None) == "buffered"           # a roomy machine
     assert machine(16 << 30, 16 << 30) == "buffered"       # a roomy container
-    # A container of 1 GiB: beside the 256 MiB cache and the 256 MiB resident part, 0.5 GiB for 1 GiB of experts.
+    # 1 GiB left: beside the 256 MiB cache and the 256 MiB resident part, 0.5 GiB for 1 GiB of experts.
     assert machine(1 << 30, 1 << 30) == "direct"
-    assert machine(1 << 30, None) == "buffered"            # no limit: the page cache may grow, reclaimed as needed
+    assert machine(1 << 30, None) == "direct"              # the same without a limit: the pages would not last
     given = OffloadPolicy(device="cpu", store="disk", expert_cache="25%", disk_reads="buffered").validate()
     monkeypatch.setattr(resolve_module, "container_memory", lambda: ContainerMemory(1 << 30, 0))
     assert resolve_module.resolve(given, fp).policy.disk_reads == "buffered"          # a choice is kept

@@ -150,15 +150,14 @@ def _container_note() -> str:
 
 def _disk_reads(policy: OffloadPolicy, device: torch.device, store: str, cache: int, fp: Footprint,
                 zero_copy: bool) -> str:
-    """`disk_reads`: "auto" reads around the page cache inside a container (a control group's memory limit, which
-    counts the page cache) where the memory left beside the expert cache, the host store and the resident part
-    cannot hold the experts' file bytes: their pages would be evicted before their next use, and the group's reclaim
-    would slow the reads and push out the process's own pages. Elsewhere buffered (docs/benchmarks.md: with the
-    page cache free to grow, buffered reads were the faster)."""
+    """`disk_reads`: "auto" reads around the page cache where the host memory left beside the expert cache, the host
+    store and the resident part (within a container's limit, which counts the page cache) cannot hold the experts'
+    file bytes: their pages would be evicted before their next use, so a buffered read only adds the kernel's copy,
+    which takes CPU time from the compute beside it, and reclaim (a container's slows the reads and pushes out the
+    process's own pages). Where the file bytes fit, buffered: an expert read again comes from RAM
+    (docs/benchmarks.md, "Larger than RAM")."""
     if policy.disk_reads != AUTO:
         return policy.disk_reads
-    if container_memory() is None:
-        return "buffered"
     file_bytes = fp.store_bytes or fp.expert_bytes
     on_host = store == "cpu" or zero_copy
     kept = (file_bytes if on_host else 0) + \

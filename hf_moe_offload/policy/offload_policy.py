@@ -118,16 +118,16 @@ class OffloadPolicy:
     )
     disk_reads: str = field(
         default=AUTO,
-        metadata={"short": "Expert reads through the page cache or around it; auto: around it in a tight container",
+        metadata={"short": "Expert reads through the page cache or around it; auto: around it where RAM cannot keep them",
                   "values": _quoted(*DISK_READS),
                   "help": 'How experts are read from files (store="disk", and the host store\'s load): "buffered" '
                           '(through the page cache: an expert read again soon after comes from RAM), "direct" '
                           "(O_DIRECT, around the page cache: nothing is left behind, so a container's memory limit, "
                           "which counts the page cache, is spent on the expert cache instead, and the kernel never "
                           'reclaims the process\'s own pages for it; a file system without O_DIRECT reads buffered), '
-                          'or "auto" (direct inside a container whose memory limit, beside the expert cache, cannot '
-                          "hold the experts, so their pages would be evicted before their next use; else "
-                          "buffered)."},
+                          'or "auto" (direct where the host memory left beside the expert cache, within a '
+                          "container's limit, cannot hold the experts, so their pages would be evicted before their "
+                          "next use and a buffered read would only add the kernel's copy; else buffered)."},
     )
     expert_cache: int | str = field(
         default=AUTO,
