@@ -6,6 +6,7 @@
 #   bash scripts/gpu_checks.sh tests          # environment check (seconds), then tests/test_cuda.py, junit.xml
 #   bash scripts/gpu_checks.sh bench-quick    # one Mixtral-8x7B layer, batch 1 and 64: ours, accelerate, bound
 #   bash scripts/gpu_checks.sh bench-overlap  # CPU attention, whole batch against two micro-batches, 1024 tokens
+#   bash scripts/gpu_checks.sh profile-attention  # batch 64, 128-token prompts, a 3-expert cache: where a step goes
 #
 # Wheels in .whl/ (a newer transformers for a machine without network; CONTRIBUTING.md) are installed first.
 set -uo pipefail
@@ -19,8 +20,9 @@ tests_s=${TESTS_TIMEOUT_S:-480}        # the whole pytest run; SIGINT, so pytest
 per_test_s=${HF_MOE_OFFLOAD_CUDA_TEST_TIMEOUT:-90}
 
 case "$phase" in
-    tests|bench-quick|bench-overlap) ;;
-    *) echo "usage: scripts/gpu_checks.sh tests|bench-quick|bench-overlap [out folder]" >&2; exit 2 ;;
+    tests|bench-quick|bench-overlap|profile-attention) ;;
+    *) echo "usage: scripts/gpu_checks.sh tests|bench-quick|bench-overlap|profile-attention [out folder]" >&2
+       exit 2 ;;
 esac
 mkdir -p "$out"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -83,6 +85,24 @@ case "$phase" in
              --stores cpu
              --systems hf_moe_offload_cpu_attention hf_moe_offload_cpu_attention_mb2
              --workdir "$workdir" --out "$out/gpu_overlap") ;;
+    profile-attention)
+        # bench-quick's batch-64 row under its 5 GiB cap has a 3-expert cache, and there attention on the device
+        # steps slower than attention on the host with the same copies. The same cache without the cap, with the
+        # same 128-token prompts, each placement: decode tok/s, host syncs per step and top device operators.
+        ckpt=$("$py" -c "import sys, dataclasses, pathlib; sys.path.insert(0, 'scripts'); import bench
+print(bench.build_checkpoint(dataclasses.replace(bench.MIXTRAL_8X7B, layers=1), 0, pathlib.Path('$workdir')))" \
+            | tail -1) || exit 1
+        status=0
+        for attention in device cpu; do
+            policy="{\"store\": \"cpu\", \"expert_cache\": 1141153792, \"eviction\": \"layer\", \"attention\": \"$attention\"}"
+            echo "python3 scripts/profile_decode.py --model $ckpt --batch 64 --prompt-len 128 --new-tokens 16" \
+                "--policy '$policy'" >> "$out/$phase.command"
+            timeout -s INT "${BENCH_TIMEOUT_S:-200}" "$py" scripts/profile_decode.py --model "$ckpt" --device cuda:0 \
+                --batch 64 --prompt-len 128 --new-tokens 16 --policy "$policy" --out "$out/profile_$attention.json" \
+                2>&1 | tee "$out/profile_$attention.log"
+            [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+        done
+        exit $status ;;
 esac
 echo "${cmd[*]}" > "$out/$phase.command"
 timeout -s INT "${BENCH_TIMEOUT_S:-200}" "${cmd[@]}" 2>&1 | tee "$out/$phase.log"

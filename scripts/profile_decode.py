@@ -115,6 +115,7 @@ def main() -> None:
     p.add_argument("--policy", default='{"store": "cpu", "expert_cache": "100%"}', help="offload_policy as JSON")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args()
@@ -127,8 +128,10 @@ def main() -> None:
         models = {"resident": load(path, args.device, None, dtype),
                   "offloaded": load(path, args.device, json.loads(args.policy), dtype)}
         vocab = models["resident"].config.vocab_size
-        ids = torch.randint(3, vocab, (args.batch, 16), generator=torch.Generator().manual_seed(0)).to(args.device)
+        ids = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
+        ids = ids.to(args.device)
         report: dict = {"device": args.device, "policy": json.loads(args.policy), "batch": args.batch,
+                        "prompt_len": args.prompt_len,
                         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
         for name, model in models.items():
             tokens_per_s(model, ids, 4, args.device)                           # warm-up: kernels, experts resident
