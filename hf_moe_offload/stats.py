@@ -28,6 +28,7 @@
 - `micro_batches`: decoder-layer calls run as micro-batches (`split`) or, with `micro_batches` > 1 in the policy,
   as one whole batch (`whole`: a single sequence, training, recorded outputs, a cache that cannot be split);
 - `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape);
+  `last_stream_window`: the stream window of the last streamed pass (policy `stream_window`);
   `measured`: per schedule, the passes timed (first MoE layer's start to the last one's end), seconds per pass and
   tokens per second: what `hf-moe-offload plan` predicts, measured;
 - `devices` (a device_map spanning several devices, `devices.py`): per cache device, its MoE layers, the counters
@@ -131,7 +132,9 @@ def _timing_lines(d: dict) -> list[str]:
                      + (f"; CPU expert compute {_seconds(d['cpu_compute_s'])}" if d.get("cpu_compute_s") else ""))
     if d.get("passes"):
         passes = ", ".join(f"{name} {n}" for name, n in d["passes"].items())
-        lines.append(f"passes: {passes} (last {d.get('last_schedule')}); forward calls {d.get('forward_calls', 0)}")
+        window = f", last stream window {d['last_stream_window']}" if d.get("last_stream_window") else ""
+        lines.append(f"passes: {passes} (last {d.get('last_schedule')}{window}); forward calls "
+                     f"{d.get('forward_calls', 0)}")
     for schedule, m in (d.get("measured") or {}).items():
         lines.append(f"measured {schedule}: {m['passes_timed']} passes, {_seconds(m['seconds_per_pass'])} per "
                      f"pass, {m['tokens_per_s']:.1f} tok/s")
@@ -201,7 +204,8 @@ def _plan_lines(d: dict) -> list[str]:
 # Keys the groups above show; any other (a hook's counters, expert_compute="auto"'s inputs) goes under "other".
 _SHOWN = {"hits", "misses", "hit_rate", "experts_used", "cpu_computed", "cpu_bytes_read", "evictions",
           "repeat_reads", "bytes_to_device", "resident_bytes", "peak_cache_bytes", "cache_capacity_bytes", "stall_s",
-          "cpu_compute_s", "passes", "last_schedule", "forward_calls", "measured", "micro_batches",
+          "cpu_compute_s", "passes", "last_schedule", "last_stream_window", "forward_calls", "measured",
+          "micro_batches",
           "prefetch_issued", "readahead_issued", "prefetch_hits", "prefetch_wasted", "prefetch_promoted",
           "lookahead_on",
           "lookahead_used", "lookahead_guesses", "lookahead_precision", "lookahead_break_even",
@@ -248,6 +252,7 @@ class OffloadStats:
             self.passes: dict[str, int] = {}     # forward passes per schedule ("on_demand", "stream")
             self.pass_time: dict[str, list] = {}  # schedule -> [passes timed, tokens, seconds] (first to last MoE layer)
             self.last_schedule: str | None = None
+            self.last_stream_window: int | None = None
             self.micro_batches = {"split": 0, "whole": 0}   # micro-batched decoder-layer calls, and whole ones
             self.peak_cache_bytes = self.resident_bytes   # the peak from now on starts at what is resident
             for entry in self._device_bytes.values():
@@ -312,10 +317,13 @@ class OffloadStats:
         with self._lock:
             self.micro_batches["split" if split else "whole"] += 1
 
-    def record_pass(self, schedule: str) -> None:
+    def record_pass(self, schedule: str, window: int | None = None) -> None:
+        """A pass started with `schedule` (a streamed one with its stream `window`)."""
         with self._lock:
             self.passes[schedule] = self.passes.get(schedule, 0) + 1
             self.last_schedule = schedule
+            if schedule == "stream":
+                self.last_stream_window = window
 
     def record_eviction(self, layer: int) -> None:
         with self._lock:
@@ -391,6 +399,7 @@ class OffloadStats:
                                         "tokens_per_s": tokens / secs if secs > 0 else 0.0}
                              for schedule, (n, tokens, secs) in self.pass_time.items()},
                 "last_schedule": self.last_schedule,
+                "last_stream_window": self.last_stream_window,
                 "micro_batches": dict(self.micro_batches),
                 "resident_bytes": self.resident_bytes,
                 "peak_cache_bytes": self.peak_cache_bytes,

@@ -9,6 +9,7 @@ import torch
 import hf_moe_offload
 from hf_moe_offload.arch import SlabLayout
 from hf_moe_offload.memory.cache import ExpertCache
+from hf_moe_offload.policy.offload_policy import DEFAULT_STREAM_WINDOW, WIDE_STREAM_WINDOW
 from hf_moe_offload.runtime.pass_scheduler import PassScheduler
 from hf_moe_offload.stats import OffloadStats
 from hf_moe_offload.storage.store import ExpertStore
@@ -238,8 +239,35 @@ def test_a_prefill_with_many_rows_per_expert_streams_exactly_within_its_window(t
     kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
     expected = reference("mixtral", tiny_models["mixtral"]).generate(ids, **kwargs)
     assert torch.equal(model.generate(ids, **kwargs), expected)
-    assert set(windows) == {planner.window} and hf_moe_offload.stats(model)["repeat_reads"] == 0
+    # "auto" on the CPU: the prefill (128 rows per expert) streams with the wide window, the decode passes (2 rows
+    # per expert) with the policy's
+    assert set(windows) == {planner.wide_window, planner.window} == {WIDE_STREAM_WINDOW, DEFAULT_STREAM_WINDOW}
+    assert hf_moe_offload.stats(model)["repeat_reads"] == 0
     assert hf_moe_offload.stats(model)["peak_cache_bytes"] <= engine.policy.expert_cache
+
+
+def test_auto_stream_window_widens_only_passes_with_many_rows_per_expert(tiny_models):
+    """stream_window="auto" (no machine profile) on the CPU: a pass with at least WIDE_WINDOW_ROWS rows per expert
+    streams with WIDE_STREAM_WINDOW slots, a pass with fewer with the default window, and the tokens stay exact; a
+    given window is kept for every pass."""
+    ids, mask = token_inputs(8, 48, seed=7, left_pad=True)       # prefill 128 rows per expert, decode 2
+    kwargs = dict(attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    expected = reference("mixtral", tiny_models["mixtral"]).generate(ids, **kwargs)
+    for given, prefill, decode in (("auto", WIDE_STREAM_WINDOW, DEFAULT_STREAM_WINDOW), (3, 3, 3)):
+        model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%",
+                          schedule="stream", stream_window=given)
+        engine = hf_moe_offload.get_engine(model)
+        windows = []
+        begin = engine.cache.begin_pass
+        engine.cache.begin_pass = lambda window, ahead_room=None: (windows.append(window), begin(window, ahead_room))[1]
+        seen = []
+        engine.stats.record_pass = lambda schedule, window=None, record=engine.stats.record_pass: (
+            seen.append(window), record(schedule, window))[1]
+        assert torch.equal(model.generate(ids, **kwargs), expected)
+        assert seen == [prefill, decode, decode], given       # one prefill pass, two decode passes
+        assert set(windows) == {prefill, decode}
+        assert hf_moe_offload.stats(model)["last_stream_window"] == decode
+        assert hf_moe_offload.stats(model)["peak_cache_bytes"] <= engine.policy.expert_cache
 
 
 def test_a_streamed_pass_reads_the_next_passs_first_layer_before_it_ends(tiny_models):

@@ -16,12 +16,17 @@ from ..planning.resolve import ResolvedPolicy
 from ..policy.offload_policy import OffloadPolicy
 from ..prefetch.hash import HashPredictor, HashPrefetcher
 from ..runtime.engine import OffloadEngine
+from ..runtime.pass_scheduler import PassScheduler
 
 
 def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: ResolvedPolicy,
                       predictor: HashPredictor | None) -> PreTrainedModel:
     """Attach what rides on the engine: the plan summary, the predictor's hook, CPU attention, batching defaults."""
     engine.plan = resolved.plan
+    if resolved.widen_stream_window:
+        for hook in engine.hooks:
+            if isinstance(hook, PassScheduler):
+                hook.widen_stream_window()
     if predictor is not None:
         engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
     _apply_attention(model, engine)

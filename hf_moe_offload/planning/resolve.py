@@ -51,6 +51,8 @@ class ResolvedPolicy:
     policy: OffloadPolicy
     cache_bytes: int
     plan: dict[str, Any] | None = None
+    # stream_window="auto" that no plan chose, on the CPU: wide passes with many rows per expert get a wider window
+    widen_stream_window: bool = False
 
 
 def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
@@ -99,7 +101,8 @@ def resolve(policy: OffloadPolicy, fp: Footprint) -> ResolvedPolicy:
                     resolved.disk_reads,
                     format_bytes(fp.expert_bytes), format_bytes(fp.resident_bytes),
                     format_bytes(available_host_bytes()), _container_note())
-    return ResolvedPolicy(resolved, cache, plan)
+    widen = policy.stream_window == AUTO and plan is None and device.type == "cpu"
+    return ResolvedPolicy(resolved, cache, plan, widen_stream_window=widen)
 
 
 def resolve_micro_batches(policy: OffloadPolicy, fp: Footprint, store: str, cache_bytes: int, zero_copy: bool,

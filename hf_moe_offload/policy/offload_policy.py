@@ -38,6 +38,11 @@ DEFAULT_INT4_GROUP_SIZE = 64     # quant_group_size="auto" for int4 (int8 is sca
 ROUTINGS = ("router", "predicted")
 SCHEDULES = ("auto", "on_demand", "stream")
 DEFAULT_STREAM_WINDOW = 2        # stream_window="auto"
+# stream_window="auto" on the CPU without a planned window: a streamed pass with at least WIDE_WINDOW_ROWS rows per
+# expert (tokens x top_k / experts) gets WIDE_STREAM_WINDOW slots. Its experts compute long enough for the disk to idle
+# behind a narrow window, while a pass of few rows per expert is read-bound and pays only the window's extra bytes.
+WIDE_STREAM_WINDOW = 4
+WIDE_WINDOW_ROWS = 8
 DEFAULT_MAX_BATCH_SIZE = 1       # max_batch_size="auto"
 DEFAULT_MAX_SEQ_LEN = 4096       # max_seq_len="auto" caps the model's max_position_embeddings at this
 # Upper bounds of the workload hints: above them the KV cache alone is more than any machine holds, and the budget
@@ -118,7 +123,8 @@ class OffloadPolicy:
     )
     disk_reads: str = field(
         default=AUTO,
-        metadata={"short": "Expert reads through the page cache or around it; auto: around it where RAM cannot keep them",
+        metadata={"short": "Expert reads through the page cache or around it; auto: around it where RAM cannot "
+                           "keep them",
                   "values": _quoted(*DISK_READS),
                   "help": 'How experts are read from files (store="disk", and the host store\'s load): "buffered" '
                           '(through the page cache: an expert read again soon after comes from RAM), "direct" '
@@ -204,10 +210,14 @@ class OffloadPolicy:
     )
     stream_window: int | str = field(
         default=AUTO,
-        metadata={"short": "Slots a streamed layer may have loading at once; auto: " f"{DEFAULT_STREAM_WINDOW}",
+        metadata={"short": f"Slots a streamed layer may have loading at once; auto: {DEFAULT_STREAM_WINDOW}, on the CPU "
+                           f"{WIDE_STREAM_WINDOW} for large batches",
                   "values": '"auto", an int >= 1',
                   "help": "Slots a streamed layer may have loading or landed-unused at once (the rest keep resident "
-                          f'experts); "auto": {DEFAULT_STREAM_WINDOW}.'},
+                          f'experts); "auto": the planner\'s choice where a machine profile is cached, else '
+                          f"{DEFAULT_STREAM_WINDOW}, and on the CPU {WIDE_STREAM_WINDOW} for a pass with at least "
+                          f"{WIDE_WINDOW_ROWS} rows per expert (tokens x top_k / experts: a large batch), whose "
+                          "experts compute long enough for the disk to idle behind a narrow window."},
     )
     micro_batches: int | str = field(
         default=AUTO,

@@ -30,7 +30,7 @@ import torch
 from . import microbatch
 from .lookahead_gate import LookaheadGate, RouterLookahead, layer_records
 from ..hooks import LayerHook
-from ..policy.offload_policy import AUTO
+from ..policy.offload_policy import AUTO, WIDE_STREAM_WINDOW, WIDE_WINDOW_ROWS
 
 STREAM_SHARE = 0.5    # stream a pass expected to touch at least this share of a layer's experts
 
@@ -56,6 +56,7 @@ class PassState(threading.local):
         self.timing: tuple[str, int, float] | None = None   # (schedule, tokens, start) until the pass ends
         self.first_layer: int | None = None   # the pass's first MoE layer, and the experts its router chose there
         self.first_route: list[int] = []
+        self.window = 0                       # the stream window of this pass (and of the next pass's read-ahead)
 
 
 class PassScheduler(LayerHook):
@@ -67,6 +68,7 @@ class PassScheduler(LayerHook):
         self.cache, self.counters, self.share = engine.cache, engine.stats, share
         self.schedule = policy.schedule           # "auto", or forced "on_demand" / "stream"
         self.window = policy.stream_window       # concrete once the policy is resolved
+        self.wide_window: int | None = None      # `widen_stream_window`: the window of passes with many rows per expert
         self.layers = layer_records(engine)
         self.lookahead = RouterLookahead(engine, self.layers, gate)
         self._local = PassState()
@@ -104,12 +106,13 @@ class PassScheduler(LayerHook):
         if self._settle:
             self.cache.settle_stalls(block=False)
         state.reading = self.lookahead.begin_pass(moe.index, streaming)   # once per pass: room and reads agree
+        state.window = self._window(tokens, moe.top_k, moe.num_experts)
         if streaming:
-            self.cache.begin_pass(self.window)
+            self.cache.begin_pass(state.window)
         else:   # on demand; while reading ahead, room for the next layer's top-k guesses
             self.cache.begin_pass(None, ahead_room=moe.top_k if state.reading else 0)
         schedule = "stream" if streaming else "on_demand"
-        self.counters.record_pass(schedule)
+        self.counters.record_pass(schedule, state.window if streaming else None)
         state.timing = (schedule, tokens, time.perf_counter())
 
     def on_layer_done(self, layer: int) -> None:
@@ -123,6 +126,16 @@ class PassScheduler(LayerHook):
             self._local.timing = None
             self._read_next_pass_ahead()
 
+    def widen_stream_window(self) -> None:
+        """`stream_window="auto"` on the CPU with no planned window: a streamed pass with at least `WIDE_WINDOW_ROWS`
+        rows per expert gets `WIDE_STREAM_WINDOW` slots (never fewer than the policy's window)."""
+        self.wide_window = max(WIDE_STREAM_WINDOW, int(self.window))
+
+    def _window(self, tokens: int, top_k: int, experts: int) -> int:
+        if self.wide_window is not None and tokens * top_k >= WIDE_WINDOW_ROWS * experts:
+            return self.wide_window
+        return int(self.window)
+
     def _read_next_pass_ahead(self) -> None:
         """A streamed pass is done with its experts: read the first layer's experts of the next pass now, while the
         head, sampling and the first attention run and the disk would idle. The experts this pass routed there are
@@ -130,6 +143,6 @@ class PassScheduler(LayerHook):
         sequences); the stream window bounds it, and a wrong guess costs only that idle disk time."""
         state = self._local
         if state.streaming and state.first_layer is not None and state.first_route:
-            self.cache.begin_pass(self.window)   # these reads are the next pass's (not this one's repeat reads)
+            self.cache.begin_pass(state.window)   # these reads are the next pass's (not this one's repeat reads)
             self.cache.read_ahead(state.first_layer, state.first_route)
             self.cache.issue_read_ahead()
