@@ -21,7 +21,8 @@ from ..runtime.pass_scheduler import PassScheduler
 
 def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: ResolvedPolicy,
                       predictor: HashPredictor | None) -> PreTrainedModel:
-    """Attach what rides on the engine: the plan summary, the predictor's hook, CPU attention, batching defaults."""
+    """Attach what rides on the engine: the plan summary, the wide stream window ("auto" on the CPU without a plan),
+    the predictor's hook, CPU attention, batching defaults."""
     engine.plan = resolved.plan
     if resolved.widen_stream_window:
         for hook in engine.hooks:
