@@ -241,7 +241,7 @@ def test_a_prefill_with_many_rows_per_expert_streams_exactly_within_its_window(t
     assert torch.equal(model.generate(ids, **kwargs), expected)
     # "auto" on the CPU: the prefill (128 rows per expert) streams with the wide window, the decode passes (2 rows
     # per expert) with the policy's
-    assert set(windows) == {planner.wide_window, planner.window} == {WIDE_STREAM_WINDOW, DEFAULT_STREAM_WINDOW}
+    assert set(windows) == {WIDE_STREAM_WINDOW, DEFAULT_STREAM_WINDOW} and planner.window == DEFAULT_STREAM_WINDOW
     assert hf_moe_offload.stats(model)["repeat_reads"] == 0
     assert hf_moe_offload.stats(model)["peak_cache_bytes"] <= engine.policy.expert_cache
 

@@ -68,7 +68,7 @@ class PassScheduler(LayerHook):
         self.cache, self.counters, self.share = engine.cache, engine.stats, share
         self.schedule = policy.schedule           # "auto", or forced "on_demand" / "stream"
         self.window = policy.stream_window       # concrete once the policy is resolved
-        self.wide_window: int | None = None      # `widen_stream_window`: the window of passes with many rows per expert
+        self.widen = False                       # `widen_stream_window`: passes with many rows per expert get more
         self.layers = layer_records(engine)
         self.lookahead = RouterLookahead(engine, self.layers, gate)
         self._local = PassState()
@@ -127,14 +127,14 @@ class PassScheduler(LayerHook):
             self._read_next_pass_ahead()
 
     def widen_stream_window(self) -> None:
-        """`stream_window="auto"` on the CPU with no planned window: a streamed pass with at least `WIDE_WINDOW_ROWS`
-        rows per expert gets `WIDE_STREAM_WINDOW` slots (never fewer than the policy's window)."""
-        self.wide_window = max(WIDE_STREAM_WINDOW, int(self.window))
+        """`stream_window="auto"` (the default window) on the CPU with no planned window: a streamed pass with at
+        least `WIDE_WINDOW_ROWS` rows per expert gets `WIDE_STREAM_WINDOW` slots."""
+        self.widen = True
 
     def _window(self, tokens: int, top_k: int, experts: int) -> int:
-        if self.wide_window is not None and tokens * top_k >= WIDE_WINDOW_ROWS * experts:
-            return self.wide_window
-        return int(self.window)
+        if self.widen and tokens * top_k >= WIDE_WINDOW_ROWS * experts:
+            return WIDE_STREAM_WINDOW
+        return self.window
 
     def _read_next_pass_ahead(self) -> None:
         """A streamed pass is done with its experts: read the first layer's experts of the next pass now, while the
