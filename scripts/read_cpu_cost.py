@@ -17,7 +17,6 @@ import json
 import logging
 import mmap
 import os
-import platform
 import resource
 import sys
 import threading
@@ -27,18 +26,11 @@ from pathlib import Path
 
 import torch
 
+from bench import evict_from_page_cache, machine_info  # this folder's benchmark: its page-cache eviction
+
 log = logging.getLogger("read_cpu_cost")
 PIECE = 4 << 20
 READERS = 4
-
-
-def drop_page_cache(files: list[Path]) -> None:
-    for path in files:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def cpu_seconds() -> float:
@@ -89,7 +81,7 @@ def read_all(files: list[Path], direct: bool) -> int:
 
 
 def measure(files: list[Path], direct: bool, compute: MatmulLoop | None) -> dict:
-    drop_page_cache(files)
+    evict_from_page_cache(files)
     time.sleep(0.3)
     cpu, start = cpu_seconds(), time.perf_counter()
     if compute is None:
@@ -110,16 +102,6 @@ def compute_alone(loop: MatmulLoop, seconds: float = 3.0) -> dict:
     with loop:
         time.sleep(seconds)
     return {"reads": None, "compute": True, "matmuls_per_s": loop.calls / (time.perf_counter() - start)}
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def main() -> None:
@@ -149,7 +131,7 @@ def main() -> None:
                          "on" if with_compute else "off", run["gb_per_s"], run["cpu_s_per_gb"], run["matmuls_per_s"])
     if args.out:
         report = {"command": "python scripts/read_cpu_cost.py " + " ".join(sys.argv[1:]),
-                  "cpu": cpu_model(), "logical_cores": os.cpu_count(),
+                  "machine": machine_info(args.model),
                   "threads": args.threads, "piece_bytes": PIECE, "readers": READERS, "runs": runs}
         args.out.write_text(json.dumps(report, separators=(",", ":")))
 
