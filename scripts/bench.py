@@ -620,10 +620,12 @@ class StepProbe:
     disk reads, optional stats snapshot, then page-cache eviction. Never stops generation."""
 
     def __init__(self, evict_files: list[Path] | None, snapshot: Callable[[], dict] | None,
-                 synchronize: Callable[[], None]):
+                 synchronize: Callable[[], None], allocator: Callable[[], dict] | None = None):
         self.evict_files = evict_files
         self.snapshot = snapshot
         self.synchronize = synchronize
+        self.allocator = allocator
+        self.allocator_counts: list[dict] = []
         self.enter: list[float] = []
         self.exit: list[float] = []
         self.reads_enter: list[int] = []
@@ -638,6 +640,8 @@ class StepProbe:
         self.reads_enter.append(proc_read_bytes())
         if self.snapshot is not None:
             self.stats.append(self.snapshot())
+        if self.allocator is not None:
+            self.allocator_counts.append(self.allocator())
         if self.evict_files:
             evict_from_page_cache(self.evict_files)
         self.reads_exit.append(proc_read_bytes())
@@ -929,6 +933,29 @@ def device_peaks(spec: dict[str, Any]) -> dict[str, Any]:
             "peak_device_reserved_bytes": torch.cuda.max_memory_reserved(0)}
 
 
+# The caching allocator's counters: a retry follows a failed allocation (it frees the cached blocks, which waits
+# for the device, and tries again); device allocs and frees are cudaMalloc / cudaFree calls, each a slow call.
+ALLOCATOR_KEYS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_ooms")
+
+
+def allocator_counters(spec: dict[str, Any]) -> Callable[[], dict] | None:
+    """Reads the CUDA caching allocator's counters (None on the CPU)."""
+    if spec["device"] != "cuda":
+        return None
+    import torch
+
+    return lambda: {k: torch.cuda.memory_stats(0).get(k, 0) for k in ALLOCATOR_KEYS}
+
+
+def allocator_summary(probe: StepProbe, at_start: dict | None) -> dict[str, Any]:
+    """The allocator's counters over prefill (to the first step) and over the decode steps."""
+    if at_start is None or not probe.allocator_counts:
+        return {}
+    first, last = probe.allocator_counts[0], probe.allocator_counts[-1]
+    return {"allocator": {"prefill": {k: first[k] - at_start[k] for k in ALLOCATOR_KEYS},
+                          "decode": {k: last[k] - first[k] for k in ALLOCATOR_KEYS}}}
+
+
 def synchronizer(spec: dict[str, Any]) -> Callable[[], None]:
     import torch
 
@@ -971,8 +998,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         snapshot = lambda: {**hf_moe_offload.stats(model), **read_clock(model)}  # noqa: E731
     ids, mask = make_prompt(spec["vocab"], batch, spec["prompt_len"], spec["seed"])
     ids, mask = ids.to(compute_device(spec)), mask.to(compute_device(spec))
-    probe = StepProbe(evict_files, snapshot, synchronizer(spec))
+    allocator = allocator_counters(spec)
+    probe = StepProbe(evict_files, snapshot, synchronizer(spec), allocator)
     probe.synchronize()
+    allocator_start = allocator() if allocator else None
     reads_start, gen_start = proc_read_bytes(), time.perf_counter()
     with torch.inference_mode():
         out = model.generate(ids, attention_mask=mask, max_new_tokens=spec["new_tokens"],
@@ -986,6 +1015,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         "tokens": out[:, ids.shape[1]:].tolist(),
         "rss_after_import_bytes": rss_import, "rss_after_load_bytes": rss_load, "peak_rss_bytes": peak_rss_bytes(),
         **device_facts, "device_after_load_bytes": device_after_load, **device_peaks(spec),
+        **allocator_summary(probe, allocator_start),
     }
     if system == "accelerate":
         result["offload_folder_bytes"] = sum(f.stat().st_size for f in extra_files)

@@ -6,7 +6,7 @@
 #   bash scripts/gpu_checks.sh tests          # environment check (seconds), then tests/test_cuda.py, junit.xml
 #   bash scripts/gpu_checks.sh bench-quick    # one Mixtral-8x7B layer, batch 1 and 64: ours, accelerate, bound
 #   bash scripts/gpu_checks.sh bench-overlap  # CPU attention, whole batch against two micro-batches, 1024 tokens
-#   bash scripts/gpu_checks.sh profile-attention  # batch 64, 128-token prompts, a 3-expert cache: where a step goes
+#   bash scripts/gpu_checks.sh profile-attention  # batch 64, a 3-expert cache, with and without a cap: where a step goes
 #
 # Wheels in .whl/ (a newer transformers for a machine without network; CONTRIBUTING.md) are installed first.
 set -uo pipefail
@@ -87,20 +87,26 @@ case "$phase" in
              --workdir "$workdir" --out "$out/gpu_overlap") ;;
     profile-attention)
         # bench-quick's batch-64 row under its 5 GiB cap has a 3-expert cache, and there attention on the device
-        # steps slower than attention on the host with the same copies. The same cache without the cap, with the
-        # same 128-token prompts, each placement: decode tok/s, host syncs per step and top device operators.
+        # steps slower than attention on the host with the same copies; without the cap, with the same prompts,
+        # the device placement is the faster one. Here: that cache with the cap and each placement, then without
+        # the cap, each waiting for the device every step as bench.py does: decode steps/s, host syncs per step,
+        # top device operators and a Chrome trace of four steps (gzipped).
         ckpt=$("$py" -c "import sys, dataclasses, pathlib; sys.path.insert(0, 'scripts'); import bench
 print(bench.build_checkpoint(dataclasses.replace(bench.MIXTRAL_8X7B, layers=1), 0, pathlib.Path('$workdir')))" \
             | tail -1) || exit 1
         status=0
-        for attention in device cpu; do
+        for run in "device --cap-gib 5" "cpu --cap-gib 5" "device"; do
+            set -- $run
+            attention=$1; shift
+            name=${attention}${1:+_cap5}
             policy="{\"store\": \"cpu\", \"expert_cache\": 1141153792, \"eviction\": \"layer\", \"attention\": \"$attention\"}"
-            echo "python3 scripts/profile_decode.py --model $ckpt --batch 64 --prompt-len 128 --new-tokens 16" \
-                "--policy '$policy'" >> "$out/$phase.command"
-            timeout -s INT "${BENCH_TIMEOUT_S:-200}" "$py" scripts/profile_decode.py --model "$ckpt" --device cuda:0 \
-                --batch 64 --prompt-len 128 --new-tokens 16 --policy "$policy" --out "$out/profile_$attention.json" \
-                2>&1 | tee "$out/profile_$attention.log"
+            args=(--model "$ckpt" --device cuda:0 --batch 64 --prompt-len 128 --new-tokens 16 --policy "$policy"
+                  --offloaded-only --sync-each-step "$@")
+            echo "python3 scripts/profile_decode.py ${args[*]}" >> "$out/$phase.command"
+            timeout -s INT "${BENCH_TIMEOUT_S:-90}" "$py" scripts/profile_decode.py "${args[@]}" \
+                --trace "$out/trace_$name" --out "$out/profile_$name.json" 2>&1 | tee "$out/profile_$name.log"
             [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+            gzip -f "$out/trace_$name"/*.json 2>/dev/null
         done
         exit $status ;;
 esac

@@ -49,8 +49,20 @@ def synchronize(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def tokens_per_s(model, ids: torch.Tensor, new_tokens: int, device: str) -> float:
+class SyncEachStep:
+    """A `StoppingCriteria` (duck-typed) that waits for the device after every generated token, as bench.py's step
+    timer does; it never stops generation. Without it the host may queue a step's work before the last one ends."""
+
+    def __call__(self, input_ids, scores, **kwargs):
+        torch.cuda.synchronize()
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+
+def tokens_per_s(model, ids: torch.Tensor, new_tokens: int, device: str, sync_each_step: bool = False) -> float:
+    """Generated tokens per second for one row of `ids` (decode steps per second), the prefill included."""
     kwargs = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if sync_each_step and device.startswith("cuda"):
+        kwargs["stopping_criteria"] = [SyncEachStep()]
     synchronize(device)
     start = time.perf_counter()
     with torch.inference_mode():
@@ -93,8 +105,9 @@ def host_syncs(step) -> dict[str, int]:
     return dict(sites)
 
 
-def top_operators(step, device: str, steps: int = 4, rows: int = 15) -> list[dict]:
-    """torch.profiler over `steps` decode steps: the operators with the most self time (device time on CUDA)."""
+def top_operators(step, device: str, steps: int = 4, rows: int = 15, trace: Path | None = None) -> list[dict]:
+    """torch.profiler over `steps` decode steps: the operators with the most self time (device time on CUDA); with
+    `trace`, the steps' timeline is written there too (Chrome trace format: chrome://tracing, Perfetto)."""
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.startswith("cuda"):
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -102,6 +115,8 @@ def top_operators(step, device: str, steps: int = 4, rows: int = 15) -> list[dic
         for _ in range(steps):
             step()
         synchronize(device)
+    if trace is not None:
+        prof.export_chrome_trace(str(trace))
     key = "self_device_time_total" if device.startswith("cuda") else "self_cpu_time_total"
     events = sorted(prof.key_averages(), key=lambda e: getattr(e, key, 0), reverse=True)[:rows]
     return [{"name": e.key, "calls": e.count, "self_cpu_us": e.self_cpu_time_total,
@@ -117,32 +132,44 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--cap-gib", type=float, help="cap this process's CUDA caching allocator (as bench.py does)")
+    p.add_argument("--sync-each-step", action="store_true", help="wait for the device after every generated token")
+    p.add_argument("--offloaded-only", action="store_true",
+                   help="leave out the resident model (where both do not fit, as under a --cap-gib)")
+    p.add_argument("--trace", type=Path, help="a folder for each model's profiled steps as a Chrome trace")
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cap_gib is not None:
+        total = torch.cuda.get_device_properties(args.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), torch.device(args.device))
     dtype = getattr(torch, args.dtype)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or str(Path(tmp) / "fine_grained")
         if args.model is None:
             write_fine_grained_model(Path(path))
-        models = {"resident": load(path, args.device, None, dtype),
-                  "offloaded": load(path, args.device, json.loads(args.policy), dtype)}
-        vocab = models["resident"].config.vocab_size
+        models = {} if args.offloaded_only else {"resident": load(path, args.device, None, dtype)}
+        models["offloaded"] = load(path, args.device, json.loads(args.policy), dtype)
+        vocab = models["offloaded"].config.vocab_size
         ids = torch.randint(3, vocab, (args.batch, args.prompt_len), generator=torch.Generator().manual_seed(0))
         ids = ids.to(args.device)
         report: dict = {"device": args.device, "policy": json.loads(args.policy), "batch": args.batch,
-                        "prompt_len": args.prompt_len,
+                        "prompt_len": args.prompt_len, "cap_gib": args.cap_gib, "sync_each_step": args.sync_each_step,
                         "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None}
         for name, model in models.items():
             tokens_per_s(model, ids, 4, args.device)                           # warm-up: kernels, experts resident
         runs = {name: [] for name in models}
         for _ in range(3):                                                     # alternated
             for name, model in models.items():
-                runs[name].append(tokens_per_s(model, ids, args.new_tokens, args.device))
+                runs[name].append(tokens_per_s(model, ids, args.new_tokens, args.device, args.sync_each_step))
         for name, model in models.items():
             step = decode_step(model, ids)
             step()
-            report[name] = {"decode_tok_s": runs[name], "top_operators": top_operators(step, args.device)}
+            trace = None
+            if args.trace is not None:
+                args.trace.mkdir(parents=True, exist_ok=True)
+                trace = args.trace / f"{name}.trace.json"
+            report[name] = {"decode_tok_s": runs[name], "top_operators": top_operators(step, args.device, trace=trace)}
             if args.device.startswith("cuda"):
                 report[name]["host_syncs_per_step"] = host_syncs(step)
             log.info("%s: %s tok/s; host syncs %s", name, ", ".join(f"{r:.1f}" for r in runs[name]),

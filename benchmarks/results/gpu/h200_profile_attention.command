@@ -1,0 +1,2 @@
+python3 scripts/profile_decode.py --model /tmp/hf_moe_offload_bench/mixtral_h4096_i14336_l1_e8_k2_a32x8_v32000_seed0 --batch 64 --prompt-len 128 --new-tokens 16 --policy '{"store": "cpu", "expert_cache": 1141153792, "eviction": "layer", "attention": "device"}'
+python3 scripts/profile_decode.py --model /tmp/hf_moe_offload_bench/mixtral_h4096_i14336_l1_e8_k2_a32x8_v32000_seed0 --batch 64 --prompt-len 128 --new-tokens 16 --policy '{"store": "cpu", "expert_cache": 1141153792, "eviction": "layer", "attention": "cpu"}'
