@@ -140,6 +140,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, help="write the results here as JSON")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.cap_gib is not None and not args.device.startswith("cuda"):
+        p.error(f"--cap-gib caps a CUDA device's caching allocator; --device is {args.device!r}")
     if args.cap_gib is not None:
         total = torch.cuda.get_device_properties(args.device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * 2**30 / total), torch.device(args.device))

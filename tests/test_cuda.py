@@ -638,7 +638,7 @@ def test_d20_disk_pipeline_reads_four_at_once_and_serves_demand_first():
 
 
 @pytest.mark.slow
-def test_d21_fine_grained_all_resident_decode_runs_grouped_like_the_resident_model(tmp_path):
+def test_d21_fine_grained_all_resident_decode_runs_each_layer_grouped(tmp_path):
     """D21 (F11): a 64-expert top-8 MoE with every expert resident runs each layer as one grouped computation: two
     grouped matmuls per layer call, and fewer extra matmuls than routed experts against the resident model with
     grouped_mm (the per-expert loop's launches are what made it slow). Same tokens. Speed: profile_decode.py."""
