@@ -129,6 +129,8 @@ def simulate(trace: Iterable[Event | tuple[int, Sequence[int]]], slots: int, pol
             continue
         if isinstance(evictor, LookAhead):
             evictor.observe(layer, experts)
+        if evictor is not None:
+            evictor.on_route(layer, experts)
         keys = [(layer, e) for e in dict.fromkeys(experts)]
         hits = [k for k in keys if k in resident]
         result.hits += len(hits)

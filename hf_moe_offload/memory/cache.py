@@ -348,6 +348,7 @@ class _LayerFetch:
         self.cache, self.layer = cache, layer
         resident, table, stats = cache.table.resident, cache.table, cache.stats
         cache.pass_state.enter_layer(layer)
+        cache.eviction.on_route(layer, experts)
         cache.stream_eviction.on_route(layer, experts)
         keys = [(layer, e) for e in experts]
         for key in keys:

@@ -114,15 +114,46 @@ class LeastFrequentlyUsed(EvictionPolicy):
 class LayerAware(EvictionPolicy):
     """Decode visits the layers in a cycle, which defeats a global LRU: the expert needed furthest in the future
     belongs to the layer that comes up last, which is the layer being served (its next use is the next token),
-    then the one before it, and so on. LRU among equals."""
+    then the one before it, and so on. LRU among equals.
+
+    But consecutive tokens often route to the same experts, which the cycle alone does not see: a layer's least
+    recently used expert that its router chose within the last `RECENT_PASSES` passes (counted in layer calls) is
+    passed over while another layer's is idle longer. The layer order applies first among the layers whose least
+    recently used expert is idle, then among all.
+
+    Example:
+        >>> policy = LayerAware(num_layers=2)
+        >>> policy.choose([(0, 1), (1, 5)], layer=1)     # layer 1 comes up again last: evict from it
+        (1, 5)
+        >>> policy.on_route(1, [5])                      # its router just chose expert 5
+        >>> policy.choose([(0, 1), (1, 5)], layer=1)     # likely chosen again next token: layer 0's leaves
+        (0, 1)
+    """
 
     name = "layer"
+    RECENT_PASSES = 2
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
+        self.layer_calls = 0                    # routed layer calls so far
+        self.routed_at: dict[Key, int] = {}     # key -> the layer call that last routed to it
+
+    def on_route(self, layer: int, experts: Sequence[int]) -> None:
+        self.layer_calls += 1
+        for e in experts:
+            self.routed_at[(layer, int(e))] = self.layer_calls
+
+    def recently_routed(self, key: Key) -> bool:
+        """Whether `key`'s router chose it within the last `RECENT_PASSES` passes."""
+        then = self.routed_at.get(key)
+        return then is not None and self.layer_calls - then < self.RECENT_PASSES * self.num_layers
 
     def choose(self, candidates: Sequence[Key], layer: int) -> Key:
-        return max(candidates, key=lambda k: (k[0] - layer - 1) % self.num_layers)
+        oldest: dict[int, Key] = {}                       # layer -> its least recently used candidate
+        for key in candidates:
+            oldest.setdefault(key[0], key)
+        idle = [k for k in oldest.values() if not self.recently_routed(k)]
+        return max(idle or candidates, key=lambda k: (k[0] - layer - 1) % self.num_layers)
 
     def layers_furthest_first(self, layer: int) -> Iterator[int]:
         """The layers in decreasing `(j - layer - 1) % L`: `layer` itself, the one before it, ... the next one."""
@@ -131,11 +162,15 @@ class LayerAware(EvictionPolicy):
     def select(self, index: RecencyIndex, layer: int, evictable: Callable[[Key], bool]) -> Key | None:
         if type(self).choose is not LayerAware.choose:
             return super().select(index, layer, evictable)
-        for j in self.layers_furthest_first(layer):       # same answer as `choose`: furthest layer, then its LRU
+        fallback = None                                   # same answer as `choose`: idle layers first, then all
+        for j in self.layers_furthest_first(layer):
             key = next((k for k in index.of_layer(j) if evictable(k)), None)
-            if key is not None:
+            if key is None:
+                continue
+            if not self.recently_routed(key):
                 return key
-        return None
+            fallback = fallback or key
+        return fallback
 
 
 class HotFirst(LayerAware):
