@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Counts, not timings: record a model's routing in `generate` calls (each a prompt's pass, then decode steps), then
 replay it through a simulated expert cache of several sizes under every eviction policy and Belady's optimum
-(`hf_moe_offload.analysis.simulate`: the cache's own rules), and "layer" without sparing its router's recent choices
-(`layer_plain`). The misses are the expert reads each policy costs.
+(`hf_moe_offload.analysis.simulate`: the cache's own rules), "layer" without sparing its router's recent choices
+(`layer_plain`), and "layer" sparing the choices of other numbers of passes (`--recent-passes`, columns
+`layer_recentN`). The misses are the expert reads each policy costs.
 
     HF_HUB_OFFLINE=1 python scripts/eviction_replay.py --model demo
     HF_HUB_OFFLINE=1 python scripts/eviction_replay.py --model /tmp/hf_moe_offload_bench/<bench.py checkpoint> \\
@@ -59,6 +60,15 @@ def record(model_path: Path, batch: int, prompts: int, prompt_len: int, new_toke
     return recorder.routes()
 
 
+def layer_misses(routes: list, slots: int, layers: int, recent_passes: int) -> int:
+    """Misses of "layer" sparing the router choices of `recent_passes` passes instead of its own window."""
+    own, LayerAware.RECENT_PASSES = LayerAware.RECENT_PASSES, recent_passes
+    try:
+        return simulate(routes, slots, "layer", num_layers=layers).misses
+    finally:
+        LayerAware.RECENT_PASSES = own
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="demo", help='a checkpoint folder, or "demo" (the embedded trained model)')
@@ -68,6 +78,9 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--shares", type=float, nargs="+", default=[0.2, 0.25, 0.3, 0.4, 0.5],
                    help="cache sizes as shares of all experts")
+    p.add_argument("--recent-passes", type=int, nargs="*", default=[],
+                   help='"layer" also sparing the router choices of this many passes (its own follows the '
+                        'cache size; 0 is layer_plain)')
     p.add_argument("--out", type=Path, help="write the routing's counts per policy here as JSON")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -80,15 +93,13 @@ def main() -> None:
     for share in args.shares:
         slots = max(widest, round(share * layers * experts))
         misses = {policy: simulate(routes, slots, policy, num_layers=layers).misses for policy in POLICIES}
-        plain, LayerAware.RECENT_PASSES = LayerAware.RECENT_PASSES, 0       # "layer" without sparing recent choices
-        try:
-            misses["layer_plain"] = simulate(routes, slots, "layer", num_layers=layers).misses
-        finally:
-            LayerAware.RECENT_PASSES = plain
+        misses["layer_plain"] = layer_misses(routes, slots, layers, recent_passes=0)
+        for passes in args.recent_passes:
+            misses[f"layer_recent{passes}"] = layer_misses(routes, slots, layers, passes)
         rows.append({"share": share, "slots": slots, "misses": misses})
     print(f"\n{path.name}: {layers} layers x {experts} experts, batch {args.batch}, {args.prompts} prompts x "
           f"{args.new_tokens} new tokens, {len(routes)} layer calls; expert reads per policy\n")
-    columns = [*POLICIES, "layer_plain"]
+    columns = [*POLICIES, "layer_plain", *(f"layer_recent{n}" for n in args.recent_passes)]
     print("| slots (share) | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
     for row in rows:

@@ -7,6 +7,8 @@ import random
 
 import pytest
 
+import hf_moe_offload
+
 from hf_moe_offload.analysis import simulate
 from hf_moe_offload.memory.eviction import EvictionPolicy, LayerAware, RecencyIndex, make_eviction
 
@@ -63,7 +65,7 @@ def test_recency_index_keeps_per_layer_order():
 
 
 def test_layer_order_passes_over_an_expert_routed_to_in_the_last_two_passes():
-    policy = LayerAware(num_layers=3)
+    policy = LayerAware(num_layers=3)           # no cache has reported its slots: two passes count as recent
     for layer, experts in [(0, [1, 2]), (1, [3, 4]), (2, [5, 6])]:
         policy.on_route(layer, experts)
     candidates = [(1, 3), (2, 5), (0, 7)]         # (0, 7): resident, but no router chose it lately
@@ -90,3 +92,40 @@ def test_layer_order_with_recent_choices_spared_misses_no_more_on_prompt_then_de
     monkeypatch.setattr(LayerAware, "RECENT_PASSES", 0)
     plain = [simulate(trace, slots, "layer").misses for slots in (16, 24, 32)]
     assert all(s <= p for s, p in zip(spared, plain)) and spared != plain, (spared, plain)
+
+
+def test_recent_window_follows_the_cache_size():
+    """A cache holding one pass of router choices spares only the last pass; a larger one spares more; until the
+    caches report their slots, two passes."""
+    def routed(slots: int | None) -> LayerAware:
+        policy = LayerAware(num_layers=4)
+        if slots is not None:
+            policy.add_slots(slots)
+        policy.on_route(3, [5, 6])                          # layer 3 chose 5, then a whole pass without it
+        for layer in range(4):
+            policy.on_route(layer, [0, 1])
+        return policy
+
+    one_pass, two_passes, unknown = routed(8), routed(16), routed(None)   # 4 layers x 2 experts per call
+    assert (one_pass.recent_passes(), two_passes.recent_passes(), unknown.recent_passes()) == (1, 3, 2)
+    # (2, 0): chosen this pass. (3, 5): chosen a pass ago, recent only where the window spans more than one pass.
+    assert one_pass.choose([(2, 0), (3, 5)], layer=2) == (3, 5)
+    assert two_passes.choose([(2, 0), (3, 5)], layer=2) == (2, 0)     # both recent: the plain layer order
+    tiny = LayerAware(num_layers=4)
+    tiny.add_slots(2)
+    tiny.on_route(0, [0, 1])
+    assert tiny.recent_passes() == 1                                   # at least one pass, however small the cache
+
+
+def test_the_cache_reports_its_turn_taking_slots_to_its_eviction_order(tiny_models):
+    """The engine's cache tells its policy how many slots take turns (the resident layers' stay), which sets the
+    window of router choices the layer order spares."""
+    from test_cpu_compute import DISK, offloaded
+
+    model = offloaded("mixtral", tiny_models["mixtral"], **DISK, expert_cache="50%")
+    cache = hf_moe_offload.get_engine(model).cache
+    assert cache.eviction.slots == cache.num_slots > 0
+    pinned = offloaded("mixtral", tiny_models["mixtral"], **DISK, resident_layers=1, expert_cache="100%")
+    cache = hf_moe_offload.get_engine(pinned).cache
+    first_layer = cache.store.num_experts[0]
+    assert cache.eviction.slots == cache.num_slots - first_layer > 0

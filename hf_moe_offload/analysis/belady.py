@@ -120,6 +120,8 @@ def simulate(trace: Iterable[Event | tuple[int, Sequence[int]]], slots: int, pol
                          f"the most experts one layer uses at once")
     uses = _next_uses(events) if policy == "belady" else {}
     evictor = None if policy == "belady" else make_eviction(policy, num_layers)
+    if evictor is not None:
+        evictor.add_slots(slots)
     resident: OrderedDict[Key, None] = OrderedDict()    # least recently used first
     result = SimResult(policy, slots)
     for i, (kind, layer, experts) in enumerate(events):

@@ -71,6 +71,8 @@ class ExpertCache:
         # Zero-copy: every expert is in place already, so there is nothing to pin or to decide.
         self.resident_layers = 0 if self.zero_copy else resident_layers
         _check_room(store, expert_compute, self.resident_layers, self.num_slots, self.slot_bytes, budget_bytes)
+        # The slots that take turns (the resident layers' stay): how much routing the eviction order can keep.
+        self.eviction.add_slots(self.num_slots - sum(store.num_experts[:self.resident_layers]))
         stats.capacity_bytes = self.num_slots * self.slot_bytes
         with torch.inference_mode(False):   # a model built under inference mode must still copy into its slots
             self.memory = torch.empty(self.num_slots, self.slot_numel, dtype=store.dtype, device=device)

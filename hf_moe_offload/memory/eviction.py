@@ -21,6 +21,7 @@ Example:
 
 from __future__ import annotations
 
+import math
 from collections import Counter, OrderedDict
 from typing import Callable, Iterator, Sequence
 
@@ -80,6 +81,9 @@ class EvictionPolicy:
     def on_use(self, key: Key) -> None:
         """`key` was pinned for compute or prefetch."""
 
+    def add_slots(self, slots: int) -> None:
+        """A cache this policy serves holds `slots` experts (each cache of a group adds its own)."""
+
     def on_route(self, layer: int, experts: Sequence[int]) -> None:
         """A call of `layer` routed tokens to `experts` (whether or not they were resident)."""
 
@@ -117,9 +121,15 @@ class LayerAware(EvictionPolicy):
     then the one before it, and so on. LRU among equals.
 
     But consecutive tokens often route to the same experts, which the cycle alone does not see: a layer's least
-    recently used expert that its router chose within the last `RECENT_PASSES` passes (counted in layer calls) is
-    passed over while another layer's is idle longer. The layer order applies first among the layers whose least
-    recently used expert is idle, then among all.
+    recently used expert that its router chose within the last few passes (counted in layer calls) is passed over
+    while another layer's is idle longer. The layer order applies first among the layers whose least recently used
+    expert is idle, then among all.
+
+    How many passes count as recent follows the cache's size: `2P - 1` rounded up, at least 1, where P is how many
+    passes of router choices the slots hold (slots / (layers x distinct experts per layer call, averaged over about
+    two passes)). A cache that holds one pass spares only the last one; a larger one spares more. Replayed routing of
+    random and trained models (`scripts/eviction_replay.py`) gave the fewest reads near that window at 15-70% of the
+    experts. Before the caches report their slots (`add_slots`), two passes.
 
     Example:
         >>> policy = LayerAware(num_layers=2)
@@ -131,22 +141,42 @@ class LayerAware(EvictionPolicy):
     """
 
     name = "layer"
-    RECENT_PASSES = 2
+    RECENT_PASSES: int | None = None    # a fixed window, in passes, instead of the one from the cache's size
+    DEFAULT_PASSES = 2                  # the window before any cache has reported its slots
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
         self.layer_calls = 0                    # routed layer calls so far
         self.routed_at: dict[Key, int] = {}     # key -> the layer call that last routed to it
+        self.slots = 0                          # of the caches served (add_slots)
+        self.routed_per_call = 0.0              # distinct experts per layer call, a moving average
+        self.recent_calls = self.recent_passes() * num_layers   # layer calls that count as recent
+
+    def add_slots(self, slots: int) -> None:
+        self.slots += slots
 
     def on_route(self, layer: int, experts: Sequence[int]) -> None:
         self.layer_calls += 1
-        for e in experts:
-            self.routed_at[(layer, int(e))] = self.layer_calls
+        chosen = {int(e) for e in experts}
+        for e in chosen:
+            self.routed_at[(layer, e)] = self.layer_calls
+        weight = 1.0 if self.layer_calls == 1 else 1 / (2 * self.num_layers)
+        self.routed_per_call += weight * (len(chosen) - self.routed_per_call)
+        self.recent_calls = self.recent_passes() * self.num_layers
+
+    def recent_passes(self) -> int:
+        """How many passes of router choices count as recent now (the class docstring)."""
+        if self.RECENT_PASSES is not None:
+            return self.RECENT_PASSES
+        if not self.slots or self.routed_per_call <= 0:
+            return self.DEFAULT_PASSES
+        passes_held = self.slots / (self.num_layers * self.routed_per_call)
+        return max(1, math.ceil(2 * passes_held - 1))
 
     def recently_routed(self, key: Key) -> bool:
-        """Whether `key`'s router chose it within the last `RECENT_PASSES` passes."""
+        """Whether `key`'s router chose it within the last `recent_passes()` passes."""
         then = self.routed_at.get(key)
-        return then is not None and self.layer_calls - then < self.RECENT_PASSES * self.num_layers
+        return then is not None and self.layer_calls - then < self.recent_calls
 
     def choose(self, candidates: Sequence[Key], layer: int) -> Key:
         oldest: dict[int, Key] = {}                       # layer -> its least recently used candidate

@@ -154,7 +154,8 @@ class OffloadPolicy:
                   "values": _quoted(*EVICTIONS),
                   "help": 'Which resident expert leaves when a slot is needed: "lru", "lfu", "layer" (the one '
                           "whose layer comes up last in the forward order, sparing experts its router chose in the "
-                          "last two passes while another is idle; best when decode cycles through layers), "
+                          "last passes, as many as the cache holds, while another is idle; best when decode cycles "
+                          "through layers), "
                           'or "lookahead" (the one whose next use is predicted furthest away: the next routers '
                           "applied to the current input for this pass, the last step's routing for the next). "
                           "Streamed passes always evict in forward order."},
