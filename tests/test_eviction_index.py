@@ -1,14 +1,15 @@
 """The indexed victim choice (`EvictionPolicy.select` over a `RecencyIndex`) picks exactly what the full scan with
-`choose` picks, for every built-in policy, on random cache states; and the cache makes the same decisions with it."""
+`choose` picks, for every built-in policy, on random cache states; and the cache makes the same decisions with it.
+The layer order spares its router's recent choices over a window that follows the cache's size."""
 
 from __future__ import annotations
 
 import random
 
 import pytest
+from conftest import offloaded
 
 import hf_moe_offload
-
 from hf_moe_offload.analysis import simulate
 from hf_moe_offload.memory.eviction import EvictionPolicy, LayerAware, RecencyIndex, make_eviction
 
@@ -120,12 +121,11 @@ def test_recent_window_follows_the_cache_size():
 def test_the_cache_reports_its_turn_taking_slots_to_its_eviction_order(tiny_models):
     """The engine's cache tells its policy how many slots take turns (the resident layers' stay), which sets the
     window of router choices the layer order spares."""
-    from test_cpu_compute import DISK, offloaded
-
-    model = offloaded("mixtral", tiny_models["mixtral"], **DISK, expert_cache="50%")
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%")
     cache = hf_moe_offload.get_engine(model).cache
     assert cache.eviction.slots == cache.num_slots > 0
-    pinned = offloaded("mixtral", tiny_models["mixtral"], **DISK, resident_layers=1, expert_cache="100%")
+    pinned = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", resident_layers=1,
+                       expert_cache="100%")
     cache = hf_moe_offload.get_engine(pinned).cache
     first_layer = cache.store.num_experts[0]
     assert cache.eviction.slots == cache.num_slots - first_layer > 0
