@@ -9,6 +9,8 @@
   (`h2d_bytes_per_s`, `host_bytes_per_s`, `cpu_flops`, `cpu_expert_s` per token bucket);
 - `disk_reads` (experts read from files at every miss): "direct" when the reads bypass the page cache (policy
   `disk_reads`), else "buffered";
+- `embedding`: "mapped" when the input embedding table is read in place from the checkpoint's file (policy
+  `embedding`), else "memory";
 - `prepacked_bytes`: host memory held by prepacked oneDNN copies of bfloat16 weights computed on the CPU (experts
   and the model's own linear layers, `memory.cpu_kernels`);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those

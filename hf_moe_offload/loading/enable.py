@@ -41,6 +41,9 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
         raise PolicyError("this model is already offloaded by hf_moe_offload; call hf_moe_offload.disable(model) "
                           "first to change its policy")
     refuse_quantized_checkpoint(model.config)
+    if policy.embedding == "mapped":
+        raise PolicyError("embedding='mapped' maps the table from the checkpoint's file while from_pretrained loads "
+                          "it; enable() works on a model already loaded: use embedding='auto' or 'memory'")
     check_attention(policy, model)
     arch = get_arch(model.config)
     layers = arch.find_layers(model)

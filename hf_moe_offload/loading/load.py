@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -35,6 +36,7 @@ from ..storage.packed_checkpoint import PackedCheckpointIndex, PackedSource
 from ..storage.store import CpuStore, DiskStore, ExpertStore, dense_expert
 from .experts_store import policy_quantized_layouts, quantized_store
 from .finish import check_attention, finish_offloading, load_predictor
+from .mapped_embedding import MappedEmbedding, load_input_embedding, map_input_embedding, plan_mapped_embedding
 from .packed_load import (
     expert_modules,
     float_config,
@@ -65,6 +67,7 @@ class _Placement:
     resolved: ResolvedPolicy
     module_map: dict[str, str]           # what transformers loads with: devices, experts modules on "meta"
     devices: DevicePlan | None           # a user's device_map over several devices, else None
+    embedding: MappedEmbedding | None = None   # the input embedding table to map from its file, if any
 
 
 def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: Any, *model_args,
@@ -92,7 +95,8 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     dtype = _requested_dtype(kwargs, pieces, config)
     layouts = packed_layouts(layers, pieces, index, dtype) if packed else None    # experts sized as stored
     predictor = load_predictor(policy, skeleton)       # (before plan_devices strips the skeleton's experts)
-    placement = _place(policy, skeleton, layers, dtype, user_map, max_memory, layouts)
+    placement = _place(policy, skeleton, layers, dtype, user_map, max_memory, layouts,
+                       index=None if packed else index)
     del skeleton
 
     if block_size is not None:
@@ -107,6 +111,8 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
                                          device_map=placement.module_map, **kwargs)
     if checkpoint_is_mxfp4(config):
         forget_mxfp4_conversions(model)
+    mapped = placement.embedding is not None and map_input_embedding(
+        model, placement.embedding, required=placement.resolved.policy.embedding == "mapped")
     layers = arch.find_layers(model)
     if packed is not None:
         model_dtype = next(layers[0].module.parameters()).dtype      # what transformers chose
@@ -115,6 +121,9 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     else:
         store = _build_store(placement.resolved.policy, layers, pieces, offload_folder)
     engine = _attach(model, arch, layers, store, placement)
+    if mapped:
+        engine.embedding = "mapped"
+        engine.on_detach.append(lambda: load_input_embedding(model))
     return finish_offloading(model, engine, placement.resolved, predictor)
 
 
@@ -136,16 +145,21 @@ def _offload_kwargs(policy: OffloadPolicy, kwargs: dict) -> tuple[Any, Any, Any]
 
 
 def _place(policy: OffloadPolicy, skeleton: nn.Module, layers: list[MoELayer], dtype: torch.dtype, user_map: Any,
-           max_memory: Any, quantized: list | None = None) -> _Placement:
+           max_memory: Any, quantized: list | None = None, index: CheckpointIndex | None = None) -> _Placement:
     """Resolve the policy for this model's footprint, and where transformers loads each module. `quantized`: the
     slab layouts of experts the checkpoint stores quantized (GGUF blocks), else the policy's own quantization; a
-    CPU cache holds the checkpoint's experts dequantized (`dense_slots_on`), so its budget counts dense slabs."""
+    CPU cache holds the checkpoint's experts dequantized (`dense_slots_on`), so its budget counts dense slabs.
+    `index`: the checkpoint's safetensors tensors, where the input embedding table can be mapped from."""
     device = auto_device() if policy.device == AUTO else normalize_device(policy.device)
     dense = quantized is not None and dense_slots_on(device)
     fp = footprint(skeleton, layers, dtype, quantized or policy_quantized_layouts(policy, layers, dtype), dense)
+    embedding = plan_mapped_embedding(policy, skeleton, index, dtype, device, user_map is not None)
+    if embedding is not None:            # its memory is not the resident part's: "auto" gives it to the cache
+        fp = dataclasses.replace(fp, resident_bytes=fp.resident_bytes - embedding.nbytes)
     if user_map is None:
         resolved = resolve(policy, fp)
-        return _Placement(resolved, _device_map(skeleton, layers, torch.device(resolved.policy.device)), None)
+        return _Placement(resolved, _device_map(skeleton, layers, torch.device(resolved.policy.device)), None,
+                          embedding)
     devices, resolved = plan_devices(skeleton, layers, user_map, max_memory, policy, fp, dtype)
     return _Placement(resolved, devices.module_map, devices)
 

@@ -33,6 +33,7 @@ EVICTIONS = ("lru", "lfu", "layer", "lookahead")
 PREFETCHERS = ("auto", "none", "hash", "lookahead")
 QUANTIZATIONS = ("none", "int8", "int4")
 EXPERT_COMPUTES = ("device", "cpu", "auto")
+EMBEDDINGS = ("auto", "memory", "mapped")   # the input embedding table loaded, or mapped from its file
 ATTENTIONS = ("auto", "device", "cpu")   # where attention runs and the KV cache lives (hf_moe_offload.attention.cpu)
 DEFAULT_INT4_GROUP_SIZE = 64     # quant_group_size="auto" for int4 (int8 is scaled per output channel)
 ROUTINGS = ("router", "predicted")
@@ -273,6 +274,17 @@ class OffloadPolicy:
                           '"cpu" on a GPU when the KV cache of max_batch_size x max_seq_len does not fit the device '
                           'beside the resident part and the expert cache, else "device").'},
     )
+    embedding: str = field(
+        default=AUTO,
+        metadata={"short": "The input embedding table in memory, or mapped from its file; auto: mapped on the CPU",
+                  "values": _quoted(*EMBEDDINGS),
+                  "help": 'Where the input embedding table lives: "memory" (loaded, as transformers does), "mapped" '
+                          "(read in place from the checkpoint's safetensors file through a memory map: a token "
+                          "costs only its own row's pages, so the table's memory goes to the expert cache; the CPU "
+                          "device without a device_map, a table not tied to the output layer and stored at the "
+                          'model\'s dtype; refused with the reason otherwise) or "auto" (mapped where it can be, '
+                          'else in memory).'},
+    )
     resident_layers: int | str = field(
         default=0,
         metadata={"short": "Experts of the first N MoE layers stay on the device, never evicted",
@@ -356,7 +368,7 @@ class OffloadPolicy:
 _CHOICES: dict[str, tuple[str, ...]] = {
     "store": (AUTO, *STORES), "disk_reads": DISK_READS, "eviction": EVICTIONS, "prefetch": PREFETCHERS,
     "routing": ROUTINGS, "schedule": SCHEDULES, "quantize": QUANTIZATIONS, "expert_compute": EXPERT_COMPUTES,
-    "attention": ATTENTIONS,
+    "attention": ATTENTIONS, "embedding": EMBEDDINGS,
 }
 
 

@@ -130,6 +130,7 @@ class OffloadEngine:
         self.runtimes = [LayerRuntime(self, layer) for layer in layers]
         self.hooks: list[LayerHook] = []
         self.prefetcher = None    # the HashPrefetcher hook when the policy names a predictor
+        self.embedding = "memory"   # "mapped": the input embedding table read in place from its file
         self.plan: dict | None = None   # the auto plan's prediction (`stats()["plan"]`), set by whoever resolved it
         # ContinuousBatchingConfig fields fixed for generate_batch without a config; the rest sized for offloading.
         self.batching_overrides: dict[str, Any] = {}
@@ -202,6 +203,7 @@ class OffloadEngine:
             data.update(hook.stats())
         if not self.store.in_host_memory:     # experts read from files at every miss
             data["disk_reads"] = "direct" if self.store.reads_directly else "buffered"
+        data["embedding"] = self.embedding
         if self.plan is not None:   # the plan's predicted tok/s beside data["measured"]
             data["plan"] = dict(self.plan)
         return StatsSnapshot(data, self.reset_stats)

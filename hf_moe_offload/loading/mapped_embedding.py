@@ -1,0 +1,121 @@
+"""The input embedding table read in place from the checkpoint's file (policy `embedding="mapped"`).
+
+A decode step looks up one row of the table per token, yet transformers loads the whole table into memory: 65 MB
+for a 32k x 1024 bfloat16 table, over 600 MB for a 150k-token vocabulary. Mapped from its safetensors file
+instead (a private, read-only-in-effect memory map), the table costs only the pages of the rows looked up, which
+the kernel reads on first use and may drop and re-read; "auto" gives the memory it saves to the expert cache. The
+values are the file's bytes, so the model's outputs are unchanged.
+
+It applies where a row lookup is all the table serves: the CPU device, no device map, a table not shared with
+another module (an output layer tied to it reads every row each token), stored in the checkpoint at the model's
+dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError
+from ..storage.checkpoint import CheckpointIndex
+
+MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
+
+
+@dataclass(frozen=True)
+class MappedEmbedding:
+    """Where the table's bytes are: file, byte offset, shape and dtype."""
+
+    path: str
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.dtype.itemsize * self.shape[0] * self.shape[1]
+
+
+def plan_mapped_embedding(policy: OffloadPolicy, skeleton: nn.Module, index: CheckpointIndex | None,
+                          dtype: torch.dtype, device: torch.device, device_map_given: bool) -> MappedEmbedding | None:
+    """The table to map, or None to keep it in memory. `policy.embedding="mapped"` where it cannot be mapped is
+    refused with the reason (before anything is loaded)."""
+    if policy.embedding == "memory":
+        return None
+    location, reason = _locate(skeleton, index, dtype, device, device_map_given)
+    if reason is not None and policy.embedding != AUTO:
+        raise PolicyError(f"embedding='mapped' is not possible here: {reason}; use embedding='memory' or 'auto'")
+    return location
+
+
+def map_input_embedding(model: nn.Module, plan: MappedEmbedding, required: bool) -> bool:
+    """Replace the loaded table of `model` by its mapping (the loaded copy is freed); whether it did. A table that
+    transformers loaded in another dtype or shape than planned stays loaded, or is refused if `required`."""
+    module = model.get_input_embeddings()
+    weight = module.weight
+    if weight.dtype != plan.dtype or tuple(weight.shape) != plan.shape:
+        if required:
+            raise PolicyError(f"embedding='mapped': the model's table is {weight.dtype} {tuple(weight.shape)}, the "
+                              f"checkpoint's {plan.dtype} {plan.shape} ({plan.path}); use embedding='memory' or "
+                              f"'auto'")
+        return False
+    module.weight = nn.Parameter(_mapped_tensor(plan), requires_grad=weight.requires_grad)
+    return True
+
+
+def load_input_embedding(model: nn.Module) -> None:
+    """Read the mapped table into memory, as transformers loads it (`disable()`: the model is its own again)."""
+    module = model.get_input_embeddings()
+    module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
+
+
+def _mapped_tensor(plan: MappedEmbedding) -> torch.Tensor:
+    # shared=False maps the file privately: a write (none is expected) would copy the page, never touch the file.
+    size = os.path.getsize(plan.path)
+    storage = torch.UntypedStorage.from_file(plan.path, shared=False, nbytes=size)
+    _advise_random(storage.data_ptr(), size)
+    return torch.empty(0, dtype=plan.dtype).set_(storage, plan.offset // plan.dtype.itemsize, plan.shape)
+
+
+def _advise_random(address: int, length: int) -> None:
+    """Rows are looked up one by one: a page fault should read its page, not the kernel's read-ahead around it
+    (neighbouring rows, or the experts beside the table in its file, which a direct-read store keeps out of the
+    page cache). Best effort: where madvise is missing the mapping works as it is."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_RANDOM)
+    except (OSError, AttributeError):
+        pass
+
+
+def _locate(skeleton: nn.Module, index: CheckpointIndex | None, dtype: torch.dtype, device: torch.device,
+            device_map_given: bool) -> tuple[MappedEmbedding | None, str | None]:
+    """The table's place in the checkpoint, or why it cannot be mapped."""
+    if device.type != "cpu":
+        return None, f"the device is {device} (a mapped table is read on the CPU)"
+    if device_map_given:
+        return None, "a device_map places the model's modules"
+    if index is None:
+        return None, "the checkpoint is not in safetensors files"
+    table = skeleton.get_input_embeddings()
+    weight = getattr(table, "weight", None)
+    if not isinstance(table, nn.Embedding) or weight is None:
+        return None, f"the input embedding is a {type(table).__name__}, not an nn.Embedding"
+    names = [n for n, p in skeleton.named_parameters(remove_duplicate=False) if p is weight]
+    if len(names) > 1:       # tied to the output layer (which reads every row each token) or shared between stacks
+        return None, f"the table is shared: {', '.join(names)}"
+    name = names[0] if names else None
+    if name is None or name not in index:
+        return None, f"the checkpoint has no tensor named {name!r} for it"
+    entry = index.entries[name]
+    if entry.dtype != dtype or tuple(entry.shape) != tuple(weight.shape):
+        return None, (f"the checkpoint stores it as {entry.dtype} {tuple(entry.shape)}, the model needs {dtype} "
+                      f"{tuple(weight.shape)}")
+    if entry.offset % dtype.itemsize:
+        return None, f"its bytes in {entry.path} are not aligned to its {dtype}"
+    return MappedEmbedding(entry.path, entry.offset, tuple(entry.shape), entry.dtype), None

@@ -1,0 +1,97 @@
+"""The input embedding table mapped from the checkpoint's file (policy `embedding`): the same logits as with the
+table in memory and the unpatched model's tokens, its memory given to the expert cache under "auto", the table back
+in memory after `disable()`, and a clear refusal wherever it cannot be mapped."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import CONFIGS, forward_logits, model_class, offloaded, reference, token_inputs
+
+import hf_moe_offload
+from hf_moe_offload import PolicyError
+from hf_moe_offload.planning import footprint as footprint_module
+from hf_moe_offload.planning import resolve as resolve_module
+
+DISK = dict(device="cpu", store="disk")
+
+
+def _file_backed(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s memory is a mapping of a safetensors file (the process's memory map says so)."""
+    address = weight.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1].endswith(".safetensors")
+    return False
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_mapped_table_gives_the_unpatched_tokens_and_logits(tiny_models, family):
+    path = tiny_models[family]
+    ref = reference(family, path)
+    model = offloaded(family, path, **DISK, expert_cache="50%", embedding="mapped")
+    assert _file_backed(model.get_input_embeddings().weight)
+    assert hf_moe_offload.stats(model)["embedding"] == "mapped"
+    in_memory = offloaded(family, path, **DISK, expert_cache="50%", embedding="memory")
+    ids, mask = token_inputs(2, 7)
+    logits = forward_logits(model, family, ids, mask)
+    assert torch.equal(logits, forward_logits(in_memory, family, ids, mask))      # the same bytes: the same bits
+    torch.testing.assert_close(logits, forward_logits(ref, family, ids, mask), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        expected = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, expected)
+
+
+def test_auto_maps_on_the_cpu_and_gives_the_table_to_the_cache(tiny_models, monkeypatch):
+    """With host memory scarce, "auto" sizes the cache from what is left: a mapped table leaves more of it."""
+    path = tiny_models["mixtral"]
+    scarce = 800 * 1024                 # bytes the host has left: the cache gets some experts, not all
+    for module in (footprint_module, resolve_module):
+        monkeypatch.setattr(module, "available_host_bytes", lambda: scarce)
+    in_memory = offloaded("mixtral", path, **DISK, embedding="memory")
+    mapped = offloaded("mixtral", path, **DISK)                              # embedding="auto"
+    assert hf_moe_offload.stats(in_memory)["embedding"] == "memory"
+    assert hf_moe_offload.stats(mapped)["embedding"] == "mapped"
+    table = mapped.get_input_embeddings().weight
+    table_bytes = table.numel() * table.element_size()
+    cache = {name: hf_moe_offload.get_engine(m).policy.expert_cache for name, m in (("memory", in_memory),
+                                                                                   ("mapped", mapped))}
+    assert cache["mapped"] - cache["memory"] == table_bytes, (cache, table_bytes)
+
+
+def test_disable_reads_the_table_into_memory(tiny_models):
+    path = tiny_models["mixtral"]
+    model = offloaded("mixtral", path, **DISK, embedding="mapped")
+    mapped = model.get_input_embeddings().weight.detach().clone()
+    hf_moe_offload.disable(model)
+    weight = model.get_input_embeddings().weight
+    assert not _file_backed(weight) and torch.equal(weight, mapped)
+    assert torch.equal(weight, reference("mixtral", path).get_input_embeddings().weight)
+
+
+def test_mapped_is_refused_where_the_table_cannot_be_mapped(tiny_models, tmp_path):
+    path = tiny_models["mixtral"]
+    with pytest.raises(PolicyError, match=r"embedding='mapped' is not possible here: the checkpoint stores it as "
+                                          r"torch.float32 .* the model needs torch.bfloat16"):
+        model_class("mixtral").from_pretrained(path, dtype=torch.bfloat16,
+                                               offload_policy={**DISK, "embedding": "mapped"})
+    with pytest.raises(PolicyError, match=r"a device_map places the model's modules"):
+        model_class("mixtral").from_pretrained(path, device_map={"": "cpu"},
+                                               offload_policy={**DISK, "embedding": "mapped"})
+    # A table tied to the output layer is read whole every token: "auto" keeps it in memory, "mapped" says why.
+    config = CONFIGS["mixtral"]()
+    config.tie_word_embeddings = True
+    torch.manual_seed(0)
+    model_class("mixtral").from_config(config).save_pretrained(tmp_path / "tied")
+    tied = str(tmp_path / "tied")
+    with pytest.raises(PolicyError, match=r"the table is shared: model.embed_tokens.weight, lm_head.weight"):
+        offloaded("mixtral", tied, **DISK, embedding="mapped")
+    assert hf_moe_offload.stats(offloaded("mixtral", tied, **DISK))["embedding"] == "memory"
+    loaded = reference("mixtral", path)
+    with pytest.raises(PolicyError, match=r"enable\(\) works on a model already loaded"):
+        hf_moe_offload.enable(loaded, {**DISK, "embedding": "mapped"})
