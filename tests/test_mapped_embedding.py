@@ -4,6 +4,7 @@ in memory after `disable()`, and a clear refusal wherever it cannot be mapped.""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ import hf_moe_offload
 from hf_moe_offload import PolicyError
 from hf_moe_offload.planning import footprint as footprint_module
 from hf_moe_offload.planning import resolve as resolve_module
+from hf_moe_offload.planning.footprint import Footprint
+from hf_moe_offload.planning.planner import ModelShape
 
 DISK = dict(device="cpu", store="disk")
 
@@ -95,3 +98,14 @@ def test_mapped_is_refused_where_the_table_cannot_be_mapped(tiny_models, tmp_pat
     loaded = reference("mixtral", path)
     with pytest.raises(PolicyError, match=r"enable\(\) works on a model already loaded"):
         hf_moe_offload.enable(loaded, {**DISK, "embedding": "mapped"})
+
+
+def test_the_planner_still_counts_a_mapped_table_as_weights_a_step_computes_with():
+    """Memory holds less once the table is mapped; the planner's compute per layer is unchanged."""
+    config = CONFIGS["mixtral"]()
+    table = config.vocab_size * config.hidden_size * 4
+    loaded = Footprint(expert_bytes=1 << 20, slab_bytes=18432, resident_bytes=200_000, top_k=2, layer_experts=(6, 6))
+    mapped = dataclasses.replace(loaded, resident_bytes=loaded.resident_bytes - table, mapped_bytes=table)
+    shapes = [ModelShape.from_footprint(fp, config, torch.float32) for fp in (loaded, mapped)]
+    assert shapes[0].dense_params_per_layer == shapes[1].dense_params_per_layer > 0
+    assert shapes[1].resident_bytes == shapes[0].resident_bytes - table

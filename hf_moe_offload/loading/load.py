@@ -155,7 +155,7 @@ def _place(policy: OffloadPolicy, skeleton: nn.Module, layers: list[MoELayer], d
     fp = footprint(skeleton, layers, dtype, quantized or policy_quantized_layouts(policy, layers, dtype), dense)
     embedding = plan_mapped_embedding(policy, skeleton, index, dtype, device, user_map is not None)
     if embedding is not None:            # its memory is not the resident part's: "auto" gives it to the cache
-        fp = dataclasses.replace(fp, resident_bytes=fp.resident_bytes - embedding.nbytes)
+        fp = dataclasses.replace(fp, resident_bytes=fp.resident_bytes - embedding.nbytes, mapped_bytes=embedding.nbytes)
     if user_map is None:
         resolved = resolve(policy, fp)
         return _Placement(resolved, _device_map(skeleton, layers, torch.device(resolved.policy.device)), None,

@@ -72,6 +72,9 @@ class Footprint:
     # False when a host store on the CPU device is still copied into the cache's slots (they hold the experts
     # dequantized), so expert_cache bounds them; True: such a store is served in place.
     host_store_in_place: bool = True
+    # Bytes of the non-expert part read in place from the checkpoint's files (a mapped input embedding table): out
+    # of `resident_bytes`, which is what memory holds, but still weights a step computes with.
+    mapped_bytes: int = 0
 
     @property
     def min_cache_bytes(self) -> int:

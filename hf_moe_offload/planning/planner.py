@@ -93,7 +93,7 @@ class ModelShape:
         vocab = int(getattr(text, "vocab_size"))
         layers = len(fp.layer_experts)
         embeddings = vocab * hidden * (1 if getattr(text, "tie_word_embeddings", False) else 2)
-        resident_params = fp.resident_bytes // dtype.itemsize
+        resident_params = (fp.resident_bytes + fp.mapped_bytes) // dtype.itemsize   # mapped ones compute too
         return cls(layers=layers, experts=max(fp.layer_experts), top_k=fp.top_k, expert_bytes=fp.slab_bytes,
                    dtype_bytes=dtype.itemsize,
                    dense_params_per_layer=max(0, resident_params - embeddings) // max(1, layers),
