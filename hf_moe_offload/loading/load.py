@@ -30,13 +30,13 @@ from ..planning.footprint import auto_device, footprint
 from ..planning.resolve import ResolvedPolicy, resolve
 from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError, normalize_device
 from ..runtime.engine import OffloadEngine
-from ..storage.checkpoint import CheckpointIndex, resolve_checkpoint_dir
+from ..storage.checkpoint import CheckpointIndex, TensorEntry, resolve_checkpoint_dir
 from ..storage.dequantizing_store import dense_slots_on
 from ..storage.packed_checkpoint import PackedCheckpointIndex, PackedSource
 from ..storage.store import CpuStore, DiskStore, ExpertStore, dense_expert
 from .experts_store import policy_quantized_layouts, quantized_store
 from .finish import check_attention, finish_offloading, load_predictor
-from .mapped_embedding import MappedEmbedding, load_input_embedding, map_input_embedding, plan_mapped_embedding
+from .mapped_embedding import load_input_embedding, map_input_embedding, plan_mapped_embedding
 from .packed_load import (
     expert_modules,
     float_config,
@@ -67,7 +67,7 @@ class _Placement:
     resolved: ResolvedPolicy
     module_map: dict[str, str]           # what transformers loads with: devices, experts modules on "meta"
     devices: DevicePlan | None           # a user's device_map over several devices, else None
-    embedding: MappedEmbedding | None = None   # the input embedding table to map from its file, if any
+    embedding: TensorEntry | None = None   # the input embedding table to map from its file, if any
 
 
 def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: Any, *model_args,

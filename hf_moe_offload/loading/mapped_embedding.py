@@ -16,35 +16,20 @@ from __future__ import annotations
 import ctypes
 import mmap
 import os
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError
-from ..storage.checkpoint import CheckpointIndex
+from ..storage.checkpoint import CheckpointIndex, TensorEntry
 
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 
 
-@dataclass(frozen=True)
-class MappedEmbedding:
-    """Where the table's bytes are: file, byte offset, shape and dtype."""
-
-    path: str
-    offset: int
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def nbytes(self) -> int:
-        return self.dtype.itemsize * self.shape[0] * self.shape[1]
-
-
 def plan_mapped_embedding(policy: OffloadPolicy, skeleton: nn.Module, index: CheckpointIndex | None,
-                          dtype: torch.dtype, device: torch.device, device_map_given: bool) -> MappedEmbedding | None:
-    """The table to map, or None to keep it in memory. `policy.embedding="mapped"` where it cannot be mapped is
-    refused with the reason (before anything is loaded)."""
+                          dtype: torch.dtype, device: torch.device, device_map_given: bool) -> TensorEntry | None:
+    """The table's entry in the checkpoint (file, offset, dtype, shape) to map, or None to keep it in memory.
+    `policy.embedding="mapped"` where it cannot be mapped is refused with the reason (before anything is loaded)."""
     if policy.embedding == "memory":
         return None
     location, reason = _locate(skeleton, index, dtype, device, device_map_given)
@@ -53,15 +38,15 @@ def plan_mapped_embedding(policy: OffloadPolicy, skeleton: nn.Module, index: Che
     return location
 
 
-def map_input_embedding(model: nn.Module, plan: MappedEmbedding, required: bool) -> bool:
+def map_input_embedding(model: nn.Module, plan: TensorEntry, required: bool) -> bool:
     """Replace the loaded table of `model` by its mapping (the loaded copy is freed); whether it did. A table that
     transformers loaded in another dtype or shape than planned stays loaded, or is refused if `required`."""
     module = model.get_input_embeddings()
     weight = module.weight
-    if weight.dtype != plan.dtype or tuple(weight.shape) != plan.shape:
+    if weight.dtype != plan.dtype or tuple(weight.shape) != tuple(plan.shape):
         if required:
             raise PolicyError(f"embedding='mapped': the model's table is {weight.dtype} {tuple(weight.shape)}, the "
-                              f"checkpoint's {plan.dtype} {plan.shape} ({plan.path}); use embedding='memory' or "
+                              f"checkpoint's {plan.dtype} {tuple(plan.shape)} ({plan.path}); use embedding='memory' or "
                               f"'auto'")
         return False
     module.weight = nn.Parameter(_mapped_tensor(plan), requires_grad=weight.requires_grad)
@@ -74,7 +59,7 @@ def load_input_embedding(model: nn.Module) -> None:
     module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
 
 
-def _mapped_tensor(plan: MappedEmbedding) -> torch.Tensor:
+def _mapped_tensor(plan: TensorEntry) -> torch.Tensor:
     # shared=False maps the file privately: a write (none is expected) would copy the page, never touch the file.
     size = os.path.getsize(plan.path)
     storage = torch.UntypedStorage.from_file(plan.path, shared=False, nbytes=size)
@@ -94,7 +79,7 @@ def _advise_random(address: int, length: int) -> None:
 
 
 def _locate(skeleton: nn.Module, index: CheckpointIndex | None, dtype: torch.dtype, device: torch.device,
-            device_map_given: bool) -> tuple[MappedEmbedding | None, str | None]:
+            device_map_given: bool) -> tuple[TensorEntry | None, str | None]:
     """The table's place in the checkpoint, or why it cannot be mapped."""
     if device.type != "cpu":
         return None, f"the device is {device} (a mapped table is read on the CPU)"
@@ -118,4 +103,4 @@ def _locate(skeleton: nn.Module, index: CheckpointIndex | None, dtype: torch.dty
                       f"{tuple(weight.shape)}")
     if entry.offset % dtype.itemsize:
         return None, f"its bytes in {entry.path} are not aligned to its {dtype}"
-    return MappedEmbedding(entry.path, entry.offset, tuple(entry.shape), entry.dtype), None
+    return entry, None
