@@ -40,16 +40,21 @@ GiB = 2**30
 
 # ------------------------------------------------------------------------------------------------------------ GGUF
 
-def write_gguf(checkpoint: Path, shape: ModelShape) -> Path:
+def write_gguf(checkpoint: Path, shape: ModelShape, experts: str = "bf16") -> Path:
     """The checkpoint's weights as a bf16 GGUF (llama architecture with experts, as llama.cpp reads Mixtral);
-    q and k rows permuted as llama.cpp's converter does; a stand-in vocabulary (the prompt is token ids)."""
+    q and k rows permuted as llama.cpp's converter does; a stand-in vocabulary (the prompt is token ids).
+    `experts="q8_0"` / `"q4_0"`: the expert tensors quantized to llama.cpp's Q8_0 / Q4_0 (8 / 4 bits and a scale per
+    32 weights), the rest bf16."""
     import numpy as np
     import torch
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFWriter, quants
     from gguf_checkpoints import add_vocab, stand_in_vocab
     from safetensors.torch import load_file
 
-    out = checkpoint / "model-bf16.gguf"
+    file_types = {"bf16": 32, "q8_0": 7, "q4_0": 2}        # LLAMA_FTYPE_MOSTLY_*: what the bulk of the bytes is
+    if experts not in file_types:
+        raise ValueError(f"experts={experts!r}: allowed {sorted(file_types)}")
+    out = checkpoint / ("model-bf16.gguf" if experts == "bf16" else f"model-experts-{experts}.gguf")
     if out.exists():
         return out
     weights: dict[str, torch.Tensor] = {}
@@ -67,7 +72,7 @@ def write_gguf(checkpoint: Path, shape: ModelShape) -> Path:
     w.add_layer_norm_rms_eps(1e-5)
     w.add_expert_count(shape.experts)
     w.add_expert_used_count(shape.top_k)
-    w.add_file_type(32)                                   # LLAMA_FTYPE_MOSTLY_BF16
+    w.add_file_type(file_types[experts])
     add_vocab(w, stand_in_vocab(shape.vocab))
 
     def put(name: str, t: torch.Tensor) -> None:
@@ -76,6 +81,13 @@ def write_gguf(checkpoint: Path, shape: ModelShape) -> Path:
         else:
             bits = t.contiguous().view(torch.int16).numpy().view(np.uint16)
             w.add_tensor(name, bits, raw_shape=bits.shape, raw_dtype=GGMLQuantizationType.BF16)
+
+    def put_experts(name: str, t: torch.Tensor) -> None:
+        if experts == "bf16":
+            put(name, t)
+        else:                                             # [E, out, in] -> its blocks' bytes [E, out, ...]
+            qtype = GGMLQuantizationType[experts.upper()]
+            w.add_tensor(name, quants.quantize(t.float().numpy(), qtype), raw_dtype=qtype)
 
     def permute(t: torch.Tensor, heads: int) -> torch.Tensor:
         return t.reshape(heads, 2, t.shape[0] // heads // 2, t.shape[1]).swapaxes(1, 2).reshape(t.shape)
@@ -94,7 +106,7 @@ def write_gguf(checkpoint: Path, shape: ModelShape) -> Path:
         put(f"{b}.ffn_gate_inp.weight", weights[f"{p}.block_sparse_moe.gate.weight"])
         ex = f"{p}.block_sparse_moe.experts"
         for gguf_name, hf in (("ffn_gate_exps", "w1"), ("ffn_down_exps", "w2"), ("ffn_up_exps", "w3")):
-            put(f"{b}.{gguf_name}.weight", torch.stack([weights[f"{ex}.{e}.{hf}.weight"]
+            put_experts(f"{b}.{gguf_name}.weight", torch.stack([weights[f"{ex}.{e}.{hf}.weight"]
                                                         for e in range(shape.experts)]))
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -13,6 +13,16 @@ system runs inside its own group (made before the worker's first byte, removed a
 - `llama_cpp`: llama-cpp-python on the same weights as a bf16 GGUF (mmap, as llama.cpp reads by default), same
   thread count.
 
+Opt-in, approximate (`--systems ... ours_int8 llama_cpp_q8_0 ours_int4 llama_cpp_q4_0`): fewer bytes per expert
+on both sides.
+- `ours_int8` / `ours_int4`: `ours_auto` with `quantize="int8"` (a scale per output channel) / `"int4"` (a scale and
+  zero per 64 weights): experts stored, read and computed quantized; the quantized folder is written once, outside
+  any cap, before the first row (as a user quantizes once, not at every start);
+- `llama_cpp_q8_0` / `llama_cpp_q4_0`: llama.cpp on a GGUF whose expert tensors are Q8_0 / Q4_0 (8 / 4 bits and a
+  scale per 32 weights), the rest bf16.
+Their tokens are compared with `resident`'s too, but equality is not promised; `ours_int8` is read against
+`llama_cpp_q8_0`, `ours_int4` against `llama_cpp_q4_0`.
+
 A `resident` and a `llama_cpp` worker run once per batch size without a cap: the token reference and the
 in-RAM speeds (llama.cpp's kernels with no reads). The
 checkpoint's, the GGUF's and accelerate's offload folder's pages are dropped from the page cache before each worker,
@@ -48,6 +58,11 @@ from cgroup_cap import memory_cap
 log = logging.getLogger("bench_memcap")
 
 SYSTEMS = ("ours_auto", "ours_cap", "accelerate", "llama_cpp")
+QUANTIZE_OF = {"ours_int8": "int8", "ours_int4": "int4"}      # opt-in, approximate: ours with quantized experts ...
+PEER_OF = {"ours_int8": "llama_cpp_q8_0", "ours_int4": "llama_cpp_q4_0"}   # ... read against llama.cpp's like
+QUANTIZED_SYSTEMS = ("ours_int8", "llama_cpp_q8_0", "ours_int4", "llama_cpp_q4_0")
+ALL_SYSTEMS = SYSTEMS + QUANTIZED_SYSTEMS
+LLAMA_SYSTEMS = {"llama_cpp": "bf16", "llama_cpp_q8_0": "q8_0", "llama_cpp_q4_0": "q4_0"}   # -> its GGUF's experts
 OURS_BASE = {"device": "cpu", "store": "disk"}
 # A worker's own charge to its group with torch, transformers and the library imported (anonymous memory and the
 # page cache it faults in; shared libraries already cached elsewhere are not charged), measured in a cap here.
@@ -72,29 +87,31 @@ def plan_rows(shape: ModelShape, caps: list[float], batches: list[int], systems:
         # Uncapped: transformers' resident model (the token reference) and llama.cpp with every page cached (its
         # kernels alone), the in-RAM speeds the capped rows are read against.
         rows += [{"system": s, "batch": batch, "cap_share": None, "cap_bytes": None}
-                 for s in ("resident", "llama_cpp") if s == "resident" or s in systems]
+                 for s in ("resident", *LLAMA_SYSTEMS) if s == "resident" or s in systems]
         for share in caps:
             cap = int(share * shape.total_bytes()) + allowance
             rows += [{"system": s, "batch": batch, "cap_share": share, "cap_bytes": cap} for s in systems]
     return rows
 
 
-def worker_spec(args: argparse.Namespace, shape: ModelShape, checkpoint: Path, gguf: str | None,
+def worker_spec(args: argparse.Namespace, shape: ModelShape, checkpoint: Path, ggufs: dict[str, str],
                 row: dict[str, Any]) -> dict[str, Any]:
     """What bench.run_worker (or the llama.cpp worker) needs for the row; the page cache is never dropped inside
-    the worker (the cap does the evicting)."""
+    the worker (the cap does the evicting). `ggufs`: each llama.cpp system's file."""
     policy = None
-    if row["system"] == "ours_auto":
+    if row["system"] in ("ours_auto", *QUANTIZE_OF):
         # The workload given: without it "auto" keeps room for a 4096-token full-logits forward (the model's
         # max_position_embeddings), more than these caps hold, and refuses to load.
         policy = {**OURS_BASE, "expert_cache": "auto", "max_batch_size": row["batch"],
                   "max_seq_len": args.prompt_len + args.new_tokens}
+        if row["system"] in QUANTIZE_OF:
+            policy["quantize"] = QUANTIZE_OF[row["system"]]
     elif row["system"] == "ours_cap":
         policy = {**OURS_BASE, "expert_cache": cap_cache_bytes(shape, row["cap_bytes"])}
     if policy is not None:
         policy.update(args.policy_extra)
     return {**row, "store": None if row["system"] == "resident" else "disk", "device": "cpu", "evict": False,
-            "checkpoint": str(checkpoint), "gguf": gguf, "policy": policy,
+            "checkpoint": str(checkpoint), "gguf": ggufs.get(row["system"]), "policy": policy,
             "offload_folder": str(args.workdir / "accelerate_offload"), "threads": args.threads,
             "vocab": shape.vocab, "one_expert_bytes": shape.one_expert_bytes(), "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "seed": args.seed, "warmup_tokens": args.warmup_tokens}
@@ -125,7 +142,7 @@ def run_llama_worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    if spec["system"] == "llama_cpp":
+    if spec["system"] in LLAMA_SYSTEMS:
         return run_llama_worker(spec)
     if spec["policy"] is not None:         # bench.run_worker reads the row's policy from its table
         bench.POLICIES[spec["system"]] = spec["policy"]
@@ -137,9 +154,15 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def page_cache_files(spec: dict[str, Any]) -> list[Path]:
     """Files whose pages a worker reads: dropped before it starts, so its reads are charged to its group."""
     files = bench.checkpoint_files(Path(spec["checkpoint"]))
-    folder = Path(spec["offload_folder"])
-    files += sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
+    folders = [Path(spec["offload_folder"])] + ([quantized_folder(spec)] if spec["system"] in QUANTIZE_OF else [])
+    for folder in folders:
+        files += sorted(p for p in folder.rglob("*") if p.is_file()) if folder.exists() else []
     return files + ([Path(spec["gguf"])] if spec.get("gguf") else [])
+
+
+def quantized_folder(spec: dict[str, Any]) -> Path:
+    """Where bench.load_system keeps a quantized row's experts (beside accelerate's offload folder)."""
+    return Path(spec["offload_folder"]).parent / f"quantized_{QUANTIZE_OF[spec['system']]}"
 
 
 def spawn(spec: dict[str, Any], timeout_s: float) -> dict[str, Any]:
@@ -181,20 +204,22 @@ def compare_tokens(rows: list[dict[str, Any]]) -> None:
     """`tokens_match` against the uncapped resident row at the same batch (in place); llama.cpp: None."""
     ref = {r["batch"]: r["tokens"] for r in rows if r["system"] == "resident" and "error" not in r}
     for r in rows:
-        if "error" in r or r["system"] in ("resident", "llama_cpp") or r["batch"] not in ref:
+        if "error" in r or r["system"] == "resident" or r["system"] in LLAMA_SYSTEMS or r["batch"] not in ref:
             r["tokens_match"] = None
             continue
         r["tokens_match"] = r["tokens"] == ref[r["batch"]]
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Per row: decode speed relative to llama.cpp's and accelerate's at the same cap and batch (in place)."""
+    """Per row: decode speed relative to each llama.cpp row's and accelerate's at the same cap and batch (in
+    place); `vs_peer`: against the llama.cpp row it is read against (`PEER_OF`, else bf16)."""
     ok = [r for r in rows if "error" not in r]
     for r in ok:
-        for peer in ("llama_cpp", "accelerate"):
+        for peer in (*LLAMA_SYSTEMS, "accelerate"):
             other = next((o for o in ok if o["system"] == peer and o["batch"] == r["batch"]
                           and o["cap_share"] == r["cap_share"]), None)
             r[f"vs_{peer}"] = r["decode_tok_s"] / other["decode_tok_s"] if other and other is not r else None
+        r["vs_peer"] = None if r["system"] in LLAMA_SYSTEMS else r.get(f"vs_{PEER_OF.get(r['system'], 'llama_cpp')}")
 
 
 def add_predictions(rows: list[dict[str, Any]], shape: ModelShape, profile: Any, args: argparse.Namespace) -> None:
@@ -206,7 +231,9 @@ def add_predictions(rows: list[dict[str, Any]], shape: ModelShape, profile: Any,
 
 
 LABELS = {"resident": "resident (no cap)", "ours_auto": "ours, cache auto", "ours_cap": "ours, cache sized to cap",
-          "accelerate": "accelerate disk offload", "llama_cpp": "llama.cpp (mmap)"}
+          "accelerate": "accelerate disk offload", "llama_cpp": "llama.cpp (mmap)",
+          "ours_int8": "ours, int8 experts (approx.; vs Q8_0)", "llama_cpp_q8_0": "llama.cpp, Q8_0 experts (mmap)",
+          "ours_int4": "ours, int4 experts (approx.; vs Q4_0)", "llama_cpp_q4_0": "llama.cpp, Q4_0 experts (mmap)"}
 
 
 def _f(x: float | None, spec: str, scale: float = 1.0) -> str:
@@ -235,7 +262,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             continue
         ours = r.get("ours") or {}
         lines.append("| " + " | ".join([
-            cap, str(r["batch"]), LABELS[r["system"]], f"{r['decode_tok_s']:.2f}", _f(r.get("vs_llama_cpp"), ".2f"),
+            cap, str(r["batch"]), LABELS[r["system"]], f"{r['decode_tok_s']:.2f}",
+            _f(r.get("vs_peer", r.get("vs_llama_cpp")), ".2f"),
             _f(r.get("vs_accelerate"), ".2f"), f"{r['read_bytes_per_token'] / 1e6:.1f}",
             _f(ours.get("cache_capacity_bytes"), ".2f", GiB), f"{r['peak_rss_bytes'] / GiB:.2f}",
             _f(group.get("peak_bytes"), ".2f", GiB), str(group.get("oom_kills", "–")),
@@ -251,7 +279,7 @@ def plot(rows: list[dict[str, Any]], title: str, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     groups = sorted({(r["batch"], r["cap_share"] or 0.0) for r in rows if r["cap_bytes"]})
-    systems = [s for s in SYSTEMS if any(r["system"] == s for r in rows)]
+    systems = [s for s in ALL_SYSTEMS if any(r["system"] == s for r in rows)]
     fig, axes = plt.subplots(1, 2, figsize=(13, 4.5))
     width = 0.8 / max(1, len(systems))
     for k, (key, label, scale, log_y) in enumerate((("decode_tok_s", "decode tok/s", 1, False),
@@ -294,7 +322,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--allowance-mib", type=int, default=None,
                    help="added to every cap (default 0: the cap is the share of the checkpoint alone)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=ALL_SYSTEMS,
+                   help=f"default {' '.join(SYSTEMS)}; opt-in, approximate: {' '.join(QUANTIZED_SYSTEMS)}")
     p.add_argument("--policy-extra", type=json.loads, default={},
                    help='JSON merged into both ours policies, e.g. \'{"stream_window": 4}\' (for diagnosis)')
     p.add_argument("--prompt-len", type=int, default=16)
@@ -341,18 +370,24 @@ def library_facts() -> dict[str, Any]:
             "scripts_commit": commit, "library": str(library)}
 
 
-def prepare(args: argparse.Namespace) -> tuple[ModelShape, Path, str | None, dict[str, Any]]:
-    """The checkpoint (built once), its GGUF when llama.cpp runs, and the store-like cold read rate."""
+def prepare(args: argparse.Namespace) -> tuple[ModelShape, Path, dict[str, str], dict[str, Any]]:
+    """The checkpoint (built once), a GGUF per llama.cpp system, each quantized row's folder of experts (written
+    here, uncapped: a user quantizes once, not at every start), and the store-like cold read rate."""
+    from bench_cpu_kernels import write_gguf
+
     shape = bench.SMALL if args.small else ModelShape(layers=args.layers)
     args.workdir.mkdir(parents=True, exist_ok=True)
     checkpoint = bench.build_checkpoint(shape, args.seed, args.workdir)
-    gguf = None
-    if "llama_cpp" in args.systems:
-        from bench_cpu_kernels import write_gguf
-
-        gguf = str(write_gguf(checkpoint, shape))
+    ggufs = {s: str(write_gguf(checkpoint, shape, experts)) for s, experts in LLAMA_SYSTEMS.items()
+             if s in args.systems}
+    for system in (s for s in QUANTIZE_OF if s in args.systems):
+        spec = worker_spec(args, shape, checkpoint, ggufs, {"system": system, "batch": 1, "cap_share": None,
+                                                            "cap_bytes": None})
+        bench.POLICIES[system] = {**spec["policy"], "expert_cache": "10%"}   # a small cache: this only writes
+        model, _ = bench.load_system(spec, checkpoint, Path(spec["offload_folder"]))
+        del model
     reads = bench.store_read_bandwidth(bench.checkpoint_files(checkpoint), repeats=2)
-    return shape, checkpoint, gguf, reads
+    return shape, checkpoint, ggufs, reads
 
 
 def run_memcap(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
@@ -360,13 +395,13 @@ def run_memcap(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     started, load_before = time.perf_counter(), os.getloadavg()
-    shape, checkpoint, gguf, reads = prepare(args)
+    shape, checkpoint, ggufs, reads = prepare(args)
     profile, profile_source = base_profile(args.profile or str(DEFAULT_PROFILE), args.threads)
     profile = with_disk_rate(profile, reads["median_bytes_per_s"])
     rows = plan_rows(shape, args.caps, args.batch_sizes, args.systems, args.allowance_mib * 2**20)
     results = []
     for row in tqdm(rows, desc="memory-cap rows", unit="run"):
-        results.append(spawn(worker_spec(args, shape, checkpoint, gguf, row), args.worker_timeout))
+        results.append(spawn(worker_spec(args, shape, checkpoint, ggufs, row), args.worker_timeout))
     compare_tokens(results)
     add_ratios(results)
     add_predictions(results, shape, profile, args)

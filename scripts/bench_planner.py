@@ -75,9 +75,11 @@ def predict_decode(pshape: Any, profile: Any, store: str, share: float, batch: i
 def row_prediction(pshape: Any, profile: Any, row: dict[str, Any], prompt_len: int, new_tokens: int
                    ) -> dict[str, float | None]:
     """`planner_tok_s` (uniform routing) and `planner_measured_bytes_tok_s` (the row's own reads per token) for a
-    bench.py-style row; None for systems the planner does not model or rows that failed."""
+    bench.py-style row; None for systems the planner does not model (peers, quantized experts) or rows that
+    failed."""
     system = row.get("system", "")
-    if "error" in row or not (system == "resident" or system.startswith(("hf_moe_offload", "ours"))):
+    quantized = "int8" in system or "int4" in system or (row.get("policy") or {}).get("quantize", "none") != "none"
+    if "error" in row or quantized or not (system == "resident" or system.startswith(("hf_moe_offload", "ours"))):
         return {"planner_tok_s": None, "planner_measured_bytes_tok_s": None}
     batch = row["batch"]
     if system == "resident" or row.get("store") == "cpu":

@@ -97,3 +97,24 @@ def test_memcap_table_from_fake_rows() -> None:
     md = bench_memcap.markdown(rows)
     assert "| 1.00 GiB (50%) | 1 | ours, cache sized to cap | 5.00 | 10.00 | 8.00 | 80.0 | 0.25 | 0.50 | 1.00 | 0 |" \
            " 6.00 | yes | 1.0-2.0 |" in md
+
+
+def test_quantized_rows_are_read_against_llama_cpp_q8_0() -> None:
+    import bench_memcap
+
+    shape = bench_memcap.bench.SMALL
+    rows = bench_memcap.plan_rows(shape, [0.5], [1], ["ours_int8", "llama_cpp", "llama_cpp_q8_0"], 0)
+    assert [(r["system"], r["cap_share"]) for r in rows] == [
+        ("resident", None), ("llama_cpp", None), ("llama_cpp_q8_0", None),
+        ("ours_int8", 0.5), ("llama_cpp", 0.5), ("llama_cpp_q8_0", 0.5)]
+    speeds = {"ours_int8": 6.0, "llama_cpp": 2.0, "llama_cpp_q8_0": 3.0, "resident": 10.0}
+    for r in rows:
+        r["decode_tok_s"] = speeds[r["system"]]
+    bench_memcap.add_ratios(rows)
+    ours = next(r for r in rows if r["system"] == "ours_int8")
+    assert ours["vs_peer"] == 2.0 and ours["vs_llama_cpp"] == 3.0
+    assert all(r["vs_peer"] is None for r in rows if r["system"] in bench_memcap.LLAMA_SYSTEMS)
+    # The planner does not model quantized experts: no prediction rather than a dense one.
+    from bench_planner import row_prediction
+
+    assert row_prediction(None, None, {**ours, "batch": 1}, 16, 16)["planner_tok_s"] is None
