@@ -246,3 +246,26 @@ def test_a_streamed_pass_over_resident_experts_guesses_nothing(tiny_models):
     guesses.clear()
     assert torch.equal(model.generate(ids, attention_mask=mask, **GENERATE), want)
     assert guesses == []                                 # all resident now: nothing guessed
+
+
+def test_auto_makes_no_guess_for_a_next_layer_the_cache_holds_whole_but_still_scores_its_routing(tiny_models):
+    """Every expert resident: the router's look-ahead product would only name resident experts, so none is run."""
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="100%",
+                      schedule="on_demand")
+    lookahead = lookahead_of(model)
+    lookahead.gate = LookaheadGate(min_guesses=10**6)
+    made = Counter()
+    real = lookahead.likely_experts
+
+    def counted(layer, hidden_states):
+        made[layer] += 1
+        return real(layer, hidden_states)
+
+    lookahead.likely_experts = counted
+    model.generate(token_inputs(1, 6, seed=3)[0], **GENERATE)                  # the prompt fills the cache
+    made.clear()
+    routed_before = len(lookahead.gate.routed)
+    model.generate(token_inputs(1, 6, seed=3)[0], **GENERATE)
+    assert sum(made.values()) == 0
+    assert len(lookahead.gate.routed) > routed_before                        # routing still scored
+    assert hf_moe_offload.stats(model)["prefetch_issued"] == 0

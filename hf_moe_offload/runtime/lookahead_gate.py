@@ -251,11 +251,15 @@ class RouterLookahead:
         score = self.gate is not None and not streaming and micro_batch is None
         if not (read or score or self.eviction is not None):
             return
+        if self.eviction is None and self._all_resident(nxt):
+            # Nothing to read, so no guess (the router's product, and on CUDA a sync to rank it); a guess is scored
+            # by its non-resident experts, none here, and the routing still counts at `on_route`.
+            if score:
+                self._local.guesses[nxt] = set()
+            return
         if score and not read and self.eviction is None and hidden_states.is_cuda:
             self._score_later(nxt, hidden_states)
             return
-        if read and not score and self.eviction is None and self._all_resident(nxt):
-            return      # nothing to read: no guess needed (ranking one brings it to the host, a sync on CUDA)
         likely = self.likely_experts(nxt, hidden_states)
         if micro_batch is not None:     # the layer's slices so far name the next layer's experts together
             earlier = self._local.slice_guesses.get(nxt, []) if micro_batch.index > 0 else []
