@@ -269,3 +269,13 @@ def test_auto_makes_no_guess_for_a_next_layer_the_cache_holds_whole_but_still_sc
     assert sum(made.values()) == 0
     assert len(lookahead.gate.routed) > routed_before                        # routing still scored
     assert hf_moe_offload.stats(model)["prefetch_issued"] == 0
+
+
+def test_rank_experts_orders_by_count_then_expert_id():
+    from hf_moe_offload.runtime.lookahead_gate import rank_experts
+
+    gen = torch.Generator().manual_seed(0)
+    for experts, k, tokens in ((8, 2, 1), (128, 8, 1), (128, 8, 16), (64, 6, 4)):
+        indices = torch.stack([torch.randperm(experts, generator=gen)[:k] for _ in range(tokens)])
+        counts = Counter(indices.reshape(-1).tolist())
+        assert rank_experts(indices, experts) == sorted(counts, key=lambda e: (-counts[e], e))
