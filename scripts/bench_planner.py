@@ -78,7 +78,7 @@ def row_prediction(pshape: Any, profile: Any, row: dict[str, Any], prompt_len: i
     bench.py-style row; None for systems the planner does not model (peers, quantized experts) or rows that
     failed."""
     system = row.get("system", "")
-    quantized = "int8" in system or "int4" in system or (row.get("policy") or {}).get("quantize", "none") != "none"
+    quantized = (row.get("policy") or {}).get("quantize", "none") != "none"
     if "error" in row or quantized or not (system == "resident" or system.startswith(("hf_moe_offload", "ours"))):
         return {"planner_tok_s": None, "planner_measured_bytes_tok_s": None}
     batch = row["batch"]

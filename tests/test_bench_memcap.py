@@ -117,4 +117,4 @@ def test_quantized_rows_are_read_against_llama_cpp_q8_0() -> None:
     # The planner does not model quantized experts: no prediction rather than a dense one.
     from bench_planner import row_prediction
 
-    assert row_prediction(None, None, {**ours, "batch": 1}, 16, 16)["planner_tok_s"] is None
+    assert row_prediction(None, None, {**ours, "policy": {"quantize": "int8"}}, 16, 16)["planner_tok_s"] is None
