@@ -154,6 +154,7 @@ class LayerAware(EvictionPolicy):
 
     def add_slots(self, slots: int) -> None:
         self.slots += slots
+        self.recent_calls = self.recent_passes() * self.num_layers
 
     def on_route(self, layer: int, experts: Sequence[int]) -> None:
         self.layer_calls += 1
