@@ -13,6 +13,8 @@
   `embedding`), else "memory";
 - `prepacked_bytes`: host memory held by prepacked oneDNN copies of bfloat16 weights computed on the CPU (experts
   and the model's own linear layers, `memory.cpu_kernels`);
+- `dense_in_file_bytes`: the model's own linear weights left in the checkpoint's file, their packed copies (in
+  `prepacked_bytes`) their only memory (`loading.mapped_dense`);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those
   the router then used, those evicted unused; `readahead_issued`: the read-ahead's share of `prefetch_issued`;
   `prefetch_promoted`: used ones still being read when their layer asked, whose rest was read as a demand read;

@@ -17,12 +17,15 @@ from ..policy.offload_policy import OffloadPolicy
 from ..prefetch.hash import HashPredictor, HashPrefetcher
 from ..runtime.engine import OffloadEngine
 from ..runtime.pass_scheduler import PassScheduler
+from ..storage.checkpoint import CheckpointIndex
+from .mapped_dense import map_dense_weights, release_pages
 
 
 def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: ResolvedPolicy,
-                      predictor: HashPredictor | None) -> PreTrainedModel:
+                      predictor: HashPredictor | None, index: CheckpointIndex | None = None) -> PreTrainedModel:
     """Attach what rides on the engine: the plan summary, the wide stream window ("auto" on the CPU without a plan),
-    the predictor's hook, CPU attention, batching defaults."""
+    the predictor's hook, CPU attention, batching defaults, CPU kernels. `index`: the checkpoint's safetensors
+    tensors the model was loaded from, where its own dense weights can be left in their files."""
     engine.plan = resolved.plan
     if resolved.widen_stream_window:
         for hook in engine.hooks:
@@ -32,7 +35,7 @@ def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: R
         engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
     _apply_attention(model, engine)
     _apply_batching(model, engine)
-    _apply_cpu_kernels(model, engine)
+    _apply_cpu_kernels(model, engine, index)
     return model
 
 
@@ -61,19 +64,23 @@ def _apply_batching(model: PreTrainedModel, engine: OffloadEngine) -> None:
     if remove is not None:
         engine.on_detach.append(remove)
 
-def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine) -> None:
-    """The model's own bfloat16 linear layers on the CPU take the experts' CPU kernels (`memory.cpu_kernels`), their
-    copies within what memory (RAM, or the container's limit) leaves once the store's experts could be packed too and
-    a CPU expert cache is filled; on the CPU device, torch's thread count leaves the cores other processes use
-    (`memory.cpu_threads`); undone by `disable()`."""
+def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine, index: CheckpointIndex | None) -> None:
+    """The model's own bfloat16 linear layers on the CPU take the experts' CPU kernels (`memory.cpu_kernels`). A
+    layer whose weight the checkpoint holds as loaded keeps only its packed copy, the weight left in the file
+    (`loading.mapped_dense`); the others' copies come within what memory (RAM, or the container's limit) leaves once
+    the store's experts could be packed too and a CPU expert cache is filled. On the CPU device, torch's thread
+    count leaves the cores other processes use (`memory.cpu_threads`). Each undone by `disable()`."""
     on_cpu = torch.device(engine.policy.device).type == "cpu"
     experts = engine.store.total_bytes if engine.stats.prepacked else 0
     # A CPU cache's slots are allocated but not yet written: their pages do not count as used until they are.
     cache = engine.stats.capacity_bytes if on_cpu else 0
-    dense = DenseLinears.attach(model, skip=tuple(layer.name for layer in engine.layers),
-                                budget_bytes=max(0, prepack_budget() - experts - cache))
+    skip = tuple(layer.name for layer in engine.layers)
+    in_file = map_dense_weights(model, DenseLinears.eligible(model, skip), index) if index is not None else []
+    dense = DenseLinears.attach(model, skip=skip, budget_bytes=max(0, prepack_budget() - experts - cache),
+                                packed_only=in_file, release=release_pages)
+    engine.dense_in_file_bytes = sum(m.weight.numel() * m.weight.element_size() for m in dense.packed_only)
     if dense.modules:
-        engine.stats.prepacked.append(dense.packed)
+        engine.stats.prepacked.extend(dense.registrations)
         engine.on_detach.append(dense.remove)
     if on_cpu:
         restore = apply_default_threads()

@@ -124,7 +124,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     if mapped:
         engine.embedding = "mapped"
         engine.on_detach.append(lambda: load_input_embedding(model))
-    return finish_offloading(model, engine, placement.resolved, predictor)
+    return finish_offloading(model, engine, placement.resolved, predictor, index=None if packed else index)
 
 
 def _offload_kwargs(policy: OffloadPolicy, kwargs: dict) -> tuple[Any, Any, Any]:

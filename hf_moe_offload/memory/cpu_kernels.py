@@ -27,6 +27,7 @@ import logging
 import os
 import threading
 import weakref
+from typing import Callable
 
 import psutil
 import torch
@@ -139,6 +140,11 @@ class PrepackedWeights:
             self.packed_bytes += nbytes
         return copy
 
+    def copy_of(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """The packed copy of `weight` made already and still current, or None (never packs)."""
+        found = self._packed.get((weight.data_ptr(), weight.shape[0], weight.shape[1]))
+        return found[0] if found is not None and found[1] == _version(weight) else None
+
     def close(self) -> None:
         """Drop every packed copy and the registration (before the tensors are freed or written)."""
         with _ACTIVE_LOCK:
@@ -217,41 +223,76 @@ class DenseLinears:
     drops the copies and puts the class's forward back. transformers has no kernel hook for a plain linear layer
     (its hub kernels replace only layers declared for them, none of them projections), hence the override.
 
+    Layers given as `packed_only` hold a weight that is a mapping of the checkpoint's file (`loading.mapped_dense`):
+    their copies are made at once whatever the budget (the copy replaces the weight's memory rather than adding to
+    it), `release(weight)` then hands the mapping's pages back, and `remove()` puts the weight back in memory from
+    its copy (`in_place`).
+
     Example:
         >>> layers = DenseLinears.attach(model, skip=("model.layers.0.mlp.experts",))           # doctest: +SKIP
         >>> layers.remove()                                                                        # doctest: +SKIP
     """
 
-    def __init__(self, modules: list[nn.Linear], packed: PrepackedWeights | None):
-        self.modules, self.packed = modules, packed
+    def __init__(self, modules: list[nn.Linear], packed: PrepackedWeights | None,
+                 in_place: PrepackedWeights | None = None, packed_only: list[nn.Linear] | None = None):
+        self.modules, self.packed, self.in_place = modules, packed, in_place
+        self.packed_only = packed_only or []
+
+    @staticmethod
+    def eligible(model: nn.Module, skip: tuple[str, ...] = ()) -> dict[str, nn.Linear]:
+        """The layers `attach` would take, by name: every bfloat16 CPU `nn.Linear` without bias of `model` outside
+        the module names `skip` whose forward is not overridden already (an accelerate hook keeps it). None where
+        oneDNN has no bf16."""
+        if not prepack_supported(torch.bfloat16):
+            return {}
+        prefixes = tuple(name + "." for name in skip)
+        return {name: m for name, m in model.named_modules()
+                if type(m) is nn.Linear and not (name + ".").startswith(prefixes) and m.bias is None
+                and "forward" not in m.__dict__
+                and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"}
 
     @classmethod
-    def attach(cls, model: nn.Module, skip: tuple[str, ...] = (), budget_bytes: int | None = None
-               ) -> "DenseLinears":
-        """Override the forward of every bfloat16 CPU `nn.Linear` without bias of `model` outside the module names
-        `skip`; a layer whose forward is overridden already (an accelerate hook) keeps it. Nothing where oneDNN
-        has no bf16. `budget_bytes`: default `prepack_budget()`."""
-        if not prepack_supported(torch.bfloat16):
-            return cls([], None)
-        prefixes = tuple(name + "." for name in skip)
-        modules = [m for name, m in model.named_modules()
-                   if type(m) is nn.Linear and not (name + ".").startswith(prefixes) and m.bias is None
-                   and "forward" not in m.__dict__
-                   and m.weight.dtype == torch.bfloat16 and m.weight.device.type == "cpu"]
+    def attach(cls, model: nn.Module, skip: tuple[str, ...] = (), budget_bytes: int | None = None,
+               packed_only: list[nn.Linear] | None = None,
+               release: Callable[[torch.Tensor], None] | None = None) -> "DenseLinears":
+        """Override the forward of every layer `eligible` names. `budget_bytes`: default `prepack_budget()`, for
+        the copies of the layers not in `packed_only`."""
+        modules = list(cls.eligible(model, skip).values())
         if not modules:
             return cls([], None)
-        packed = PrepackedWeights([m.weight.detach() for m in modules],
+        own = {id(m) for m in packed_only or ()}
+        packed_only = [m for m in modules if id(m) in own]
+        rest = [m for m in modules if id(m) not in own]
+        packed = PrepackedWeights([m.weight.detach() for m in rest],
                                   prepack_budget() if budget_bytes is None else budget_bytes)
+        in_place = None
+        if packed_only:
+            weights = [m.weight.detach() for m in packed_only]
+            in_place = PrepackedWeights(weights, sum(w.numel() * w.element_size() for w in weights))
+            for weight in weights:
+                in_place.packed(weight)
+                if release is not None:
+                    release(weight)
         for module in modules:
             module.forward = _linear_forward.__get__(module)
-        return cls(modules, packed)
+        return cls(modules, packed, in_place, packed_only)
+
+    @property
+    def registrations(self) -> list[PrepackedWeights]:
+        """The registrations whose copies count in the stats' `prepacked_bytes`."""
+        return [r for r in (self.packed, self.in_place) if r is not None]
 
     def remove(self) -> None:
         for module in self.modules:
             module.__dict__.pop("forward", None)
-        self.modules = []
-        if self.packed is not None:
-            self.packed.close()
+        for module in self.packed_only:       # back in memory, from the copy (the same bytes): no file read
+            weight = module.weight
+            copy = self.in_place.copy_of(weight.detach())
+            dense = copy.to_dense() if copy is not None else weight.detach().clone()
+            module.weight = nn.Parameter(dense, requires_grad=weight.requires_grad)
+        self.modules, self.packed_only = [], []
+        for registration in self.registrations:
+            registration.close()
 
 
 def _linear_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:

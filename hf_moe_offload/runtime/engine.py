@@ -131,6 +131,7 @@ class OffloadEngine:
         self.hooks: list[LayerHook] = []
         self.prefetcher = None    # the HashPrefetcher hook when the policy names a predictor
         self.embedding = "memory"   # "mapped": the input embedding table read in place from its file
+        self.dense_in_file_bytes = 0  # own dense weights left in the checkpoint's file, kept as packed copies
         self.plan: dict | None = None   # the auto plan's prediction (`stats()["plan"]`), set by whoever resolved it
         # ContinuousBatchingConfig fields fixed for generate_batch without a config; the rest sized for offloading.
         self.batching_overrides: dict[str, Any] = {}
@@ -204,6 +205,7 @@ class OffloadEngine:
         if not self.store.in_host_memory:     # experts read from files at every miss
             data["disk_reads"] = "direct" if self.store.reads_directly else "buffered"
         data["embedding"] = self.embedding
+        data["dense_in_file_bytes"] = self.dense_in_file_bytes
         if self.plan is not None:   # the plan's predicted tok/s beside data["measured"]
             data["plan"] = dict(self.plan)
         return StatsSnapshot(data, self.reset_stats)

@@ -1,0 +1,82 @@
+"""The model's own dense weights kept only as their packed CPU copies, their plain bytes left in the checkpoint's file.
+
+On the CPU, the model's bias-free bfloat16 linear layers (attention projections, the head) compute through packed
+oneDNN copies (`memory.cpu_kernels`), and transformers also holds each weight in memory: every such weight twice.
+Here a weight whose checkpoint tensor holds exactly the loaded bytes becomes a private mapping of its file instead;
+its copy is made at once, and the mapping's pages are handed back, so the copy is the weight's only memory. The
+copy needs no budget of its own, also inside a container whose memory leaves none for copies. `state_dict()` reads
+the file's bytes (the same bytes); `disable()` puts the weight back in memory from its copy.
+
+It applies to weights of at least `MIN_BYTES` whose tensor has the parameter's name, dtype and shape in the
+checkpoint's safetensors files and is not shared with another parameter; the bytes are compared before anything is
+replaced, so a weight transformers changed on loading stays as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+
+import torch
+from torch import nn
+
+from ..storage.checkpoint import CheckpointIndex
+
+logger = logging.getLogger(__name__)
+
+MIN_BYTES = 1 << 20        # smaller weights save little, and a router's weight is held by the look-ahead as well
+MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
+
+
+def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: CheckpointIndex) -> list[nn.Linear]:
+    """Replace the weight of each of `layers` (by module name) whose checkpoint tensor holds the same bytes by a
+    private mapping of its file; the layers replaced. The loaded copy is freed once nothing else holds it."""
+    shared = _shared_parameters(model)
+    files: dict[str, torch.UntypedStorage] = {}
+    mapped = []
+    for name, module in layers.items():
+        weight = module.weight
+        key = f"{name}.weight" if name else "weight"
+        if id(weight) in shared or weight.numel() * weight.element_size() < MIN_BYTES or key not in index:
+            continue
+        entry = index.entries[key]
+        if entry.dtype != weight.dtype or tuple(entry.shape) != tuple(weight.shape) or entry.offset % weight.itemsize:
+            continue
+        if entry.path not in files:
+            files[entry.path] = torch.UntypedStorage.from_file(entry.path, shared=False,
+                                                               nbytes=os.path.getsize(entry.path))
+        in_file = torch.empty(0, dtype=entry.dtype).set_(files[entry.path], entry.offset // weight.itemsize,
+                                                         tuple(entry.shape))
+        if not torch.equal(in_file, weight.detach()):
+            logger.debug("hf_moe_offload: %s differs from its checkpoint tensor; it stays in memory", key)
+            continue
+        module.weight = nn.Parameter(in_file, requires_grad=weight.requires_grad)
+        mapped.append(module)
+    return mapped
+
+
+def release_pages(weight: torch.Tensor) -> None:
+    """Hand back the pages of a mapped `weight` that lie wholly inside it (a neighbour's stay): the process drops
+    them and a later read faults them in from the file again. Best effort: where madvise is missing nothing
+    changes."""
+    start = weight.data_ptr()
+    end = start + weight.numel() * weight.element_size()
+    page = mmap.PAGESIZE
+    first, last = -(-start // page) * page, end // page * page
+    if last <= first:
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
+    except (OSError, AttributeError):
+        pass
+
+
+def _shared_parameters(model: nn.Module) -> set[int]:
+    """The parameters reached by more than one name (tied weights)."""
+    seen: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        seen[id(parameter)] = seen.get(id(parameter), 0) + 1
+    return {key for key, count in seen.items() if count > 1}
