@@ -430,7 +430,12 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     Path(base + ".json").write_text(json.dumps(report, indent=1) + "\n")
     table = markdown(report["rows"])
     Path(base + ".md").write_text(table + "\n")
-    plot(report["rows"], title(report), Path(base + ".png"))
+    try:
+        import matplotlib  # noqa: F401  (optional: the plot only)
+    except ImportError:
+        log.warning("no plot: matplotlib is not installed; pip install matplotlib (or .[bench]) for the plot")
+    else:
+        plot(report["rows"], title(report), Path(base + ".png"))
     print(f"\n{title(report)}\n\n{table}\n")
 
 
