@@ -112,3 +112,37 @@ def test_a_weight_that_differs_from_its_file_or_is_shared_stays_in_memory(bf16_m
     assert mapped_dense.map_dense_weights(model, layers, index) == [q_proj]
     assert _file_backed(q_proj.weight) and not _file_backed(k_proj.weight)
     assert not _file_backed(model.lm_head.weight)
+
+
+def _resident_bytes_of_mapping(address: int) -> int:
+    """Resident bytes of the memory mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and not fields[0].endswith(":"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            inside = start <= address < end
+        elif inside and fields[0] == "Rss:":
+            return int(fields[1]) * 1024
+    raise AssertionError("no mapping holds the address")
+
+
+def test_a_mapped_weight_is_read_once_then_its_pages_are_handed_back(tmp_path):
+    """The comparison reads the weight's pages from the file; once packed, `release_pages` drops them, so the
+    packed copy is the weight's only memory."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(1024, 1024, bias=False).to(torch.bfloat16)       # 2 MiB
+    original = layer.weight.detach().clone()
+    save_file({"proj.weight": original}, str(tmp_path / "model.safetensors"))
+    model = torch.nn.Module()
+    model.proj = layer
+    [mapped] = mapped_dense.map_dense_weights(model, {"proj": layer}, CheckpointIndex.open(tmp_path))
+    weight = mapped.weight
+    assert weight is not original and _file_backed(weight)
+    assert _resident_bytes_of_mapping(weight.data_ptr()) >= weight.nbytes - 8192
+    mapped_dense.release_pages(weight)
+    assert _resident_bytes_of_mapping(weight.data_ptr()) <= 8192              # at most the two boundary pages
+    x = torch.randn(1, 1024).to(torch.bfloat16)
+    assert torch.equal(torch.nn.functional.linear(x, weight), torch.nn.functional.linear(x, original))
