@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny, forward_logits, offloaded, reference, token_inputs
+from conftest import build_tiny, forward_logits, model_class, offloaded, reference, token_inputs
 
 import hf_moe_offload
-from hf_moe_offload.loading import finish, mapped_dense
+from hf_moe_offload.loading import finish, mapped_dense, mapped_embedding
 from hf_moe_offload.memory.cpu_kernels import prepack_supported
 from hf_moe_offload.storage.checkpoint import CheckpointIndex
 
@@ -146,3 +146,24 @@ def test_a_mapped_weight_is_read_once_then_its_pages_are_handed_back(tmp_path):
     assert _resident_bytes_of_mapping(weight.data_ptr()) <= 8192              # at most the two boundary pages
     x = torch.randn(1, 1024).to(torch.bfloat16)
     assert torch.equal(torch.nn.functional.linear(x, weight), torch.nn.functional.linear(x, original))
+
+
+def test_no_file_is_mapped_where_transformers_would_not_map_it(bf16_mixtral, every_size, monkeypatch):
+    """`from_pretrained(disable_mmap=True)` keeps the dense weights and the embedding table in memory; so does a
+    checkpoint on hf-mount, where transformers reads files instead of mapping them. An explicit
+    `embedding="mapped"` there is refused, naming why."""
+    stats = hf_moe_offload.stats(offloaded("mixtral", bf16_mixtral, **DISK))
+    assert stats["dense_in_file_bytes"] > 0 and stats["embedding"] == "mapped"
+    no_mmap = model_class("mixtral").from_pretrained(bf16_mixtral, offload_policy=DISK, disable_mmap=True)
+    stats = hf_moe_offload.stats(no_mmap)
+    assert stats["dense_in_file_bytes"] == 0 and stats["embedding"] == "memory"
+    assert not any(_file_backed(layer.weight) for layer in _own_linears(no_mmap))
+    with pytest.raises(hf_moe_offload.PolicyError, match="disable_mmap"):
+        model_class("mixtral").from_pretrained(bf16_mixtral, offload_policy={**DISK, "embedding": "mapped"},
+                                               disable_mmap=True)
+    monkeypatch.setattr(mapped_embedding, "_is_on_hf_mount", lambda path: True)
+    on_mount = offloaded("mixtral", bf16_mixtral, **DISK)
+    stats = hf_moe_offload.stats(on_mount)
+    assert stats["dense_in_file_bytes"] == 0 and stats["embedding"] == "memory"
+    with pytest.raises(hf_moe_offload.PolicyError, match="hf-mount"):
+        offloaded("mixtral", bf16_mixtral, **DISK, embedding="mapped")

@@ -96,7 +96,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     layouts = packed_layouts(layers, pieces, index, dtype) if packed else None    # experts sized as stored
     predictor = load_predictor(policy, skeleton)       # (before plan_devices strips the skeleton's experts)
     placement = _place(policy, skeleton, layers, dtype, user_map, max_memory, layouts,
-                       index=None if packed else index)
+                       index=None if packed else index, disable_mmap=bool(kwargs.get("disable_mmap")))
     del skeleton
 
     if block_size is not None:
@@ -124,7 +124,8 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     if mapped:
         engine.embedding = "mapped"
         engine.on_detach.append(lambda: load_input_embedding(model))
-    return finish_offloading(model, engine, placement.resolved, predictor, index=None if packed else index)
+    no_mapping = packed or kwargs.get("disable_mmap")     # the user asked for no memory-mapped files
+    return finish_offloading(model, engine, placement.resolved, predictor, index=None if no_mapping else index)
 
 
 def _offload_kwargs(policy: OffloadPolicy, kwargs: dict) -> tuple[Any, Any, Any]:
@@ -145,15 +146,17 @@ def _offload_kwargs(policy: OffloadPolicy, kwargs: dict) -> tuple[Any, Any, Any]
 
 
 def _place(policy: OffloadPolicy, skeleton: nn.Module, layers: list[MoELayer], dtype: torch.dtype, user_map: Any,
-           max_memory: Any, quantized: list | None = None, index: CheckpointIndex | None = None) -> _Placement:
+           max_memory: Any, quantized: list | None = None, index: CheckpointIndex | None = None,
+           disable_mmap: bool = False) -> _Placement:
     """Resolve the policy for this model's footprint, and where transformers loads each module. `quantized`: the
     slab layouts of experts the checkpoint stores quantized (GGUF blocks), else the policy's own quantization; a
     CPU cache holds the checkpoint's experts dequantized (`dense_slots_on`), so its budget counts dense slabs.
-    `index`: the checkpoint's safetensors tensors, where the input embedding table can be mapped from."""
+    `index`: the checkpoint's safetensors tensors, where the input embedding table can be mapped from, unless
+    `disable_mmap` (the user's `from_pretrained(disable_mmap=True)`)."""
     device = auto_device() if policy.device == AUTO else normalize_device(policy.device)
     dense = quantized is not None and dense_slots_on(device)
     fp = footprint(skeleton, layers, dtype, quantized or policy_quantized_layouts(policy, layers, dtype), dense)
-    embedding = plan_mapped_embedding(policy, skeleton, index, dtype, device, user_map is not None)
+    embedding = plan_mapped_embedding(policy, skeleton, index, dtype, device, user_map is not None, disable_mmap)
     if embedding is not None:            # its memory is not the resident part's: "auto" gives it to the cache
         fp = dataclasses.replace(fp, resident_bytes=fp.resident_bytes - embedding.nbytes, mapped_bytes=embedding.nbytes)
     if user_map is None:

@@ -8,8 +8,9 @@ copy needs no budget of its own, also inside a container whose memory leaves non
 the file's bytes (the same bytes); `disable()` puts the weight back in memory from its copy.
 
 It applies to weights of at least `MIN_BYTES` whose tensor has the parameter's name, dtype and shape in the
-checkpoint's safetensors files and is not shared with another parameter; the bytes are compared before anything is
-replaced, so a weight transformers changed on loading stays as it is.
+checkpoint's safetensors files and is not shared with another parameter, in a file that may be mapped
+(`mapped_embedding.file_mapping_refusal`); the bytes are compared before anything is replaced, so a weight
+transformers changed on loading stays as it is.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 
 from ..storage.checkpoint import CheckpointIndex
+from .mapped_embedding import file_mapping_refusal
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +36,7 @@ def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: Che
     """Replace the weight of each of `layers` (by module name) whose checkpoint tensor holds the same bytes by a
     private mapping of its file; the layers replaced. The loaded copy is freed once nothing else holds it."""
     shared = _shared_parameters(model)
-    files: dict[str, torch.UntypedStorage] = {}
+    files: dict[str, torch.UntypedStorage | None] = {}    # None: a file not to be mapped
     mapped = []
     for name, module in layers.items():
         weight = module.weight
@@ -45,8 +47,11 @@ def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: Che
         if entry.dtype != weight.dtype or tuple(entry.shape) != tuple(weight.shape) or entry.offset % weight.itemsize:
             continue
         if entry.path not in files:
-            files[entry.path] = torch.UntypedStorage.from_file(entry.path, shared=False,
-                                                               nbytes=os.path.getsize(entry.path))
+            refused = file_mapping_refusal(entry.path, disable_mmap=False) is not None
+            files[entry.path] = None if refused else torch.UntypedStorage.from_file(
+                entry.path, shared=False, nbytes=os.path.getsize(entry.path))
+        if files[entry.path] is None:
+            continue
         in_file = torch.empty(0, dtype=entry.dtype).set_(files[entry.path], entry.offset // weight.itemsize,
                                                          tuple(entry.shape))
         if not torch.equal(in_file, weight.detach()):

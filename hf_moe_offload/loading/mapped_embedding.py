@@ -21,18 +21,29 @@ import torch
 from torch import nn
 
 from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError
+
+try:    # transformers' own test for the file systems where it reads safetensors files instead of mapping them
+    from transformers.modeling_utils import _is_on_hf_mount
+except ImportError:     # a transformers without it maps everywhere, and so do we
+    def _is_on_hf_mount(path) -> bool:
+        return False
 from ..storage.checkpoint import CheckpointIndex, TensorEntry
 
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 
 
 def plan_mapped_embedding(policy: OffloadPolicy, skeleton: nn.Module, index: CheckpointIndex | None,
-                          dtype: torch.dtype, device: torch.device, device_map_given: bool) -> TensorEntry | None:
+                          dtype: torch.dtype, device: torch.device, device_map_given: bool,
+                          disable_mmap: bool = False) -> TensorEntry | None:
     """The table's entry in the checkpoint (file, offset, dtype, shape) to map, or None to keep it in memory.
-    `policy.embedding="mapped"` where it cannot be mapped is refused with the reason (before anything is loaded)."""
+    `policy.embedding="mapped"` where it cannot be mapped is refused with the reason (before anything is loaded).
+    `disable_mmap`: `from_pretrained(disable_mmap=True)`, the user's word that the files are not to be mapped."""
     if policy.embedding == "memory":
         return None
     location, reason = _locate(skeleton, index, dtype, device, device_map_given)
+    if reason is None:
+        reason = file_mapping_refusal(location.path, disable_mmap)
+        location = None if reason is not None else location
     if reason is not None and policy.embedding != AUTO:
         raise PolicyError(f"embedding='mapped' is not possible here: {reason}; use embedding='memory' or 'auto'")
     return location
@@ -57,6 +68,17 @@ def load_input_embedding(model: nn.Module) -> None:
     """Read the mapped table into memory, as transformers loads it (`disable()`: the model is its own again)."""
     module = model.get_input_embeddings()
     module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
+
+
+def file_mapping_refusal(path: str, disable_mmap: bool) -> str | None:
+    """Why `path` is not to be memory-mapped, or None: the user asked `from_pretrained` not to map files, or the file
+    lies where transformers itself reads files instead of mapping them (hf-mount, whose mapped reads can deadlock
+    under parallel page faults)."""
+    if disable_mmap:
+        return "from_pretrained(disable_mmap=True) asks for no memory-mapped files"
+    if _is_on_hf_mount(path):
+        return f"{path} is on an hf-mount file system, where transformers does not map files either"
+    return None
 
 
 def _mapped_tensor(plan: TensorEntry) -> torch.Tensor:

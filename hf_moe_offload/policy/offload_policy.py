@@ -282,8 +282,9 @@ class OffloadPolicy:
                           "(read in place from the checkpoint's safetensors file through a memory map: a token "
                           "costs only its own row's pages, so the table's memory goes to the expert cache; the CPU "
                           "device without a device_map, a table not tied to the output layer and stored at the "
-                          'model\'s dtype; refused with the reason otherwise) or "auto" (mapped where it can be, '
-                          'else in memory).'},
+                          "model's dtype, files transformers would map too (not with from_pretrained(disable_mmap="
+                          'True), not on hf-mount); refused with the reason otherwise) or "auto" (mapped where it '
+                          'can be, else in memory).'},
     )
     resident_layers: int | str = field(
         default=0,
