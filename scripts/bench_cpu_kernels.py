@@ -367,7 +367,13 @@ def main() -> None:
         out = str(args.out)                               # not with_suffix: "1.95gb" is no suffix
         Path(out + ".json").write_text(json.dumps(report, indent=1) + "\n")
         Path(out + ".md").write_text(table + "\n")
-        plot(settings, Path(out + ".png"))
+        try:
+            import matplotlib  # noqa: F401  (optional: the plot only)
+        except ImportError:
+            print("no plot: matplotlib is not installed; pip install matplotlib (or .[bench]) for the plot",
+                  file=sys.stderr)
+        else:
+            plot(settings, Path(out + ".png"))
 
 
 if __name__ == "__main__":

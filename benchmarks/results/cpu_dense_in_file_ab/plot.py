@@ -1,0 +1,31 @@
+"""Decode tok/s of every run, library A against B, per row: `python plot.py` writes ab.png beside the JSONs."""
+import glob
+import json
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+here = Path(__file__).parent
+runs: dict[tuple, dict[str, list[float]]] = {}
+for path in sorted(glob.glob(str(here / "memcap_*.json"))):
+    tree = Path(path).stem.split("_")[1]
+    for row in json.load(open(path))["rows"]:
+        if row.get("cap_bytes") and row["system"].startswith("ours") and row.get("decode_tok_s"):
+            key = (row["system"].removeprefix("ours_"), row["cap_share"], row["batch"])
+            runs.setdefault(key, {"A": [], "B": []})[tree].append(row["decode_tok_s"])
+keys = sorted(runs)
+fig, ax = plt.subplots(figsize=(11, 4.5))
+for i, key in enumerate(keys):
+    for offset, tree, color in ((-0.15, "A", "tab:gray"), (0.15, "B", "tab:blue")):
+        values = runs[key][tree]
+        ax.scatter([i + offset] * len(values), values, color=color, s=18, label=tree if i == 0 else None)
+ax.set_xticks(range(len(keys)), [f"{s}\n{int(c * 100)}% b{b}" for s, c, b in keys])
+ax.set_yscale("log")
+ax.set_ylabel("decode tok/s (every run)")
+ax.set_title("Own dense weights in memory (A, bbd902d) or left in the file (B, 3ecb846), under a memory cap")
+ax.legend()
+fig.tight_layout()
+fig.savefig(here / "ab.png", dpi=110)
