@@ -1036,6 +1036,10 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
         # What "auto" chose for the reads (the row's policy keeps what was asked; None: a library without it).
         result["ours"]["disk_reads"] = getattr(engine.policy, "disk_reads", None)
         result["ours"]["reads_directly"] = bool(getattr(engine.store, "reads_directly", False))
+        # Packed oneDNN copies, and the own dense weights left in the file (None: a library without the field).
+        stats = dict(hf_moe_offload.stats(model))
+        result["ours"]["prepacked_bytes"] = stats.get("prepacked_bytes")
+        result["ours"]["dense_in_file_bytes"] = stats.get("dense_in_file_bytes")
     return result
 # ------------------------------------------------------------------------------------- continuous batching worker
 
