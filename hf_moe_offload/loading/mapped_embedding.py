@@ -21,13 +21,13 @@ import torch
 from torch import nn
 
 from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError
+from ..storage.checkpoint import CheckpointIndex, TensorEntry
 
 try:    # transformers' own test for the file systems where it reads safetensors files instead of mapping them
     from transformers.modeling_utils import _is_on_hf_mount
 except ImportError:     # a transformers without it maps everywhere, and so do we
     def _is_on_hf_mount(path) -> bool:
         return False
-from ..storage.checkpoint import CheckpointIndex, TensorEntry
 
 MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 
