@@ -4,6 +4,7 @@ layout (`save_pretrained` default), so tests load them through the real loading 
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -116,6 +117,17 @@ def reference(family: str, path: str):
 
 def offloaded(family: str, path: str, **policy):
     return model_class(family).from_pretrained(path, offload_policy=policy).eval()
+
+
+def file_backed(weight: torch.Tensor) -> bool:
+    """Whether `weight`'s memory is a mapping of a safetensors file (the process's memory map says so)."""
+    address = weight.data_ptr()
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[-1].endswith(".safetensors")
+    return False
 
 
 def forward_logits(model, family: str, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_tiny, forward_logits, model_class, offloaded, reference, token_inputs
+from conftest import build_tiny, file_backed, forward_logits, model_class, offloaded, reference, token_inputs
 
 import hf_moe_offload
-from hf_moe_offload.loading import finish, mapped_dense, mapped_embedding
+from hf_moe_offload.loading import file_maps, finish, mapped_dense
 from hf_moe_offload.memory.cpu_kernels import prepack_supported
 from hf_moe_offload.storage.checkpoint import CheckpointIndex
 
@@ -32,17 +32,6 @@ def every_size(monkeypatch):
     monkeypatch.setattr(mapped_dense, "MIN_BYTES", 0)
 
 
-def _file_backed(weight: torch.Tensor) -> bool:
-    """Whether `weight`'s memory is a mapping of a safetensors file (the process's memory map says so)."""
-    address = weight.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, *rest = line.split()
-        start, end = (int(x, 16) for x in span.split("-"))
-        if start <= address < end:
-            return rest[-1].endswith(".safetensors")
-    return False
-
-
 def _own_linears(model) -> list[torch.nn.Linear]:
     return [model.model.layers[0].self_attn.q_proj, model.model.layers[1].self_attn.o_proj, model.lm_head]
 
@@ -51,12 +40,12 @@ def test_weights_left_in_the_file_give_the_same_logits_tokens_and_state_dict(bf1
     ids, mask = token_inputs(2, 9)
     in_memory = offloaded("mixtral", bf16_mixtral, **DISK)          # MIN_BYTES: nothing this small is mapped
     assert hf_moe_offload.stats(in_memory)["dense_in_file_bytes"] == 0
-    assert not any(_file_backed(layer.weight) for layer in _own_linears(in_memory))
+    assert not any(file_backed(layer.weight) for layer in _own_linears(in_memory))
     monkeypatch.setattr(mapped_dense, "MIN_BYTES", 0)
     model = offloaded("mixtral", bf16_mixtral, **DISK)
-    assert all(_file_backed(layer.weight) for layer in _own_linears(model))
+    assert all(file_backed(layer.weight) for layer in _own_linears(model))
     stats = hf_moe_offload.stats(model)
-    mapped = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and _file_backed(m.weight)]
+    mapped = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and file_backed(m.weight)]
     assert stats["dense_in_file_bytes"] == sum(m.weight.nbytes for m in mapped) > 0
     assert stats["prepacked_bytes"] >= stats["dense_in_file_bytes"]          # packed at load, before any forward
     logits = forward_logits(model, "mixtral", ids, mask)
@@ -90,7 +79,7 @@ def test_disable_puts_the_weights_back_in_memory(bf16_mixtral, every_size):
     hf_moe_offload.disable(model)
     ref = reference("mixtral", bf16_mixtral)
     for layer, ref_layer in zip(layers, _own_linears(ref)):
-        assert not _file_backed(layer.weight) and "forward" not in layer.__dict__
+        assert not file_backed(layer.weight) and "forward" not in layer.__dict__
         assert torch.equal(layer.weight, ref_layer.weight)
     ids, mask = token_inputs(1, 6)
     kwargs = dict(attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
@@ -110,8 +99,8 @@ def test_a_weight_that_differs_from_its_file_or_is_shared_stays_in_memory(bf16_m
     layers = {"model.layers.0.self_attn.q_proj": q_proj, "model.layers.0.self_attn.k_proj": k_proj,
               "lm_head": model.lm_head}
     assert mapped_dense.map_dense_weights(model, layers, index) == [q_proj]
-    assert _file_backed(q_proj.weight) and not _file_backed(k_proj.weight)
-    assert not _file_backed(model.lm_head.weight)
+    assert file_backed(q_proj.weight) and not file_backed(k_proj.weight)
+    assert not file_backed(model.lm_head.weight)
 
 
 def _resident_bytes_of_mapping(address: int) -> int:
@@ -140,7 +129,7 @@ def test_a_mapped_weight_is_read_once_then_its_pages_are_handed_back(tmp_path):
     model.proj = layer
     [mapped] = mapped_dense.map_dense_weights(model, {"proj": layer}, CheckpointIndex.open(tmp_path))
     weight = mapped.weight
-    assert weight is not original and _file_backed(weight)
+    assert weight is not original and file_backed(weight)
     assert _resident_bytes_of_mapping(weight.data_ptr()) >= weight.nbytes - 8192
     mapped_dense.release_pages(weight)
     assert _resident_bytes_of_mapping(weight.data_ptr()) <= 8192              # at most the two boundary pages
@@ -157,11 +146,11 @@ def test_no_file_is_mapped_where_transformers_would_not_map_it(bf16_mixtral, eve
     no_mmap = model_class("mixtral").from_pretrained(bf16_mixtral, offload_policy=DISK, disable_mmap=True)
     stats = hf_moe_offload.stats(no_mmap)
     assert stats["dense_in_file_bytes"] == 0 and stats["embedding"] == "memory"
-    assert not any(_file_backed(layer.weight) for layer in _own_linears(no_mmap))
+    assert not any(file_backed(layer.weight) for layer in _own_linears(no_mmap))
     with pytest.raises(hf_moe_offload.PolicyError, match="disable_mmap"):
         model_class("mixtral").from_pretrained(bf16_mixtral, offload_policy={**DISK, "embedding": "mapped"},
                                                disable_mmap=True)
-    monkeypatch.setattr(mapped_embedding, "_is_on_hf_mount", lambda path: True)
+    monkeypatch.setattr(file_maps, "_is_on_hf_mount", lambda path: True)
     on_mount = offloaded("mixtral", bf16_mixtral, **DISK)
     stats = hf_moe_offload.stats(on_mount)
     assert stats["dense_in_file_bytes"] == 0 and stats["embedding"] == "memory"

@@ -5,11 +5,10 @@ in memory after `disable()`, and a clear refusal wherever it cannot be mapped.""
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import CONFIGS, forward_logits, model_class, offloaded, reference, token_inputs
+from conftest import CONFIGS, file_backed, forward_logits, model_class, offloaded, reference, token_inputs
 
 import hf_moe_offload
 from hf_moe_offload import PolicyError
@@ -21,23 +20,12 @@ from hf_moe_offload.planning.planner import ModelShape
 DISK = dict(device="cpu", store="disk")
 
 
-def _file_backed(weight: torch.Tensor) -> bool:
-    """Whether `weight`'s memory is a mapping of a safetensors file (the process's memory map says so)."""
-    address = weight.data_ptr()
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        span, *rest = line.split()
-        start, end = (int(x, 16) for x in span.split("-"))
-        if start <= address < end:
-            return rest[-1].endswith(".safetensors")
-    return False
-
-
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
 def test_mapped_table_gives_the_unpatched_tokens_and_logits(tiny_models, family):
     path = tiny_models[family]
     ref = reference(family, path)
     model = offloaded(family, path, **DISK, expert_cache="50%", embedding="mapped")
-    assert _file_backed(model.get_input_embeddings().weight)
+    assert file_backed(model.get_input_embeddings().weight)
     assert hf_moe_offload.stats(model)["embedding"] == "mapped"
     in_memory = offloaded(family, path, **DISK, expert_cache="50%", embedding="memory")
     ids, mask = token_inputs(2, 7)
@@ -73,7 +61,7 @@ def test_disable_reads_the_table_into_memory(tiny_models):
     mapped = model.get_input_embeddings().weight.detach().clone()
     hf_moe_offload.disable(model)
     weight = model.get_input_embeddings().weight
-    assert not _file_backed(weight) and torch.equal(weight, mapped)
+    assert not file_backed(weight) and torch.equal(weight, mapped)
     assert torch.equal(weight, reference("mixtral", path).get_input_embeddings().weight)
 
 

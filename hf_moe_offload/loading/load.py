@@ -95,8 +95,9 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     dtype = _requested_dtype(kwargs, pieces, config)
     layouts = packed_layouts(layers, pieces, index, dtype) if packed else None    # experts sized as stored
     predictor = load_predictor(policy, skeleton)       # (before plan_devices strips the skeleton's experts)
+    no_mmap = bool(kwargs.get("disable_mmap"))        # the user asked transformers for no memory-mapped files
     placement = _place(policy, skeleton, layers, dtype, user_map, max_memory, layouts,
-                       index=None if packed else index, disable_mmap=bool(kwargs.get("disable_mmap")))
+                       index=None if packed else index, disable_mmap=no_mmap)
     del skeleton
 
     if block_size is not None:
@@ -124,8 +125,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     if mapped:
         engine.embedding = "mapped"
         engine.on_detach.append(lambda: load_input_embedding(model))
-    no_mapping = packed or kwargs.get("disable_mmap")     # the user asked for no memory-mapped files
-    return finish_offloading(model, engine, placement.resolved, predictor, index=None if no_mapping else index)
+    return finish_offloading(model, engine, placement.resolved, predictor, index=None if packed or no_mmap else index)
 
 
 def _offload_kwargs(policy: OffloadPolicy, kwargs: dict) -> tuple[Any, Any, Any]:

@@ -9,27 +9,24 @@ the file's bytes (the same bytes); `disable()` puts the weight back in memory fr
 
 It applies to weights of at least `MIN_BYTES` whose tensor has the parameter's name, dtype and shape in the
 checkpoint's safetensors files and is not shared with another parameter, in a file that may be mapped
-(`mapped_embedding.file_mapping_refusal`); the bytes are compared before anything is replaced, so a weight
+(`file_maps.file_mapping_refusal`); the bytes are compared before anything is replaced, so a weight
 transformers changed on loading stays as it is.
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
-import os
 
 import torch
 from torch import nn
 
 from ..storage.checkpoint import CheckpointIndex
-from .mapped_embedding import file_mapping_refusal
+from .file_maps import MADV_DONTNEED, advise, file_mapping_refusal, map_file, tensor_at
 
 logger = logging.getLogger(__name__)
 
 MIN_BYTES = 1 << 20        # smaller weights save little, and a router's weight is held by the look-ahead as well
-MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
 def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: CheckpointIndex) -> list[nn.Linear]:
@@ -48,12 +45,10 @@ def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: Che
             continue
         if entry.path not in files:
             refused = file_mapping_refusal(entry.path, disable_mmap=False) is not None
-            files[entry.path] = None if refused else torch.UntypedStorage.from_file(
-                entry.path, shared=False, nbytes=os.path.getsize(entry.path))
+            files[entry.path] = None if refused else map_file(entry.path)
         if files[entry.path] is None:
             continue
-        in_file = torch.empty(0, dtype=entry.dtype).set_(files[entry.path], entry.offset // weight.itemsize,
-                                                         tuple(entry.shape))
+        in_file = tensor_at(files[entry.path], entry)
         if not torch.equal(in_file, weight.detach()):
             logger.debug("hf_moe_offload: %s differs from its checkpoint tensor; it stays in memory", key)
             continue
@@ -70,13 +65,8 @@ def release_pages(weight: torch.Tensor) -> None:
     end = start + weight.numel() * weight.element_size()
     page = mmap.PAGESIZE
     first, last = -(-start // page) * page, end // page * page
-    if last <= first:
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), MADV_DONTNEED)
-    except (OSError, AttributeError):
-        pass
+    if last > first:
+        advise(first, last - first, MADV_DONTNEED)
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:

@@ -13,23 +13,12 @@ dtype.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import os
-
 import torch
 from torch import nn
 
 from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError
 from ..storage.checkpoint import CheckpointIndex, TensorEntry
-
-try:    # transformers' own test for the file systems where it reads safetensors files instead of mapping them
-    from transformers.modeling_utils import _is_on_hf_mount
-except ImportError:     # a transformers without it maps everywhere, and so do we
-    def _is_on_hf_mount(path) -> bool:
-        return False
-
-MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
+from .file_maps import MADV_RANDOM, advise, file_mapping_refusal, map_file, tensor_at
 
 
 def plan_mapped_embedding(policy: OffloadPolicy, skeleton: nn.Module, index: CheckpointIndex | None,
@@ -70,34 +59,13 @@ def load_input_embedding(model: nn.Module) -> None:
     module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
 
 
-def file_mapping_refusal(path: str, disable_mmap: bool) -> str | None:
-    """Why `path` is not to be memory-mapped, or None: the user asked `from_pretrained` not to map files, or the file
-    lies where transformers itself reads files instead of mapping them (hf-mount, whose mapped reads can deadlock
-    under parallel page faults)."""
-    if disable_mmap:
-        return "from_pretrained(disable_mmap=True) asks for no memory-mapped files"
-    if _is_on_hf_mount(path):
-        return f"{path} is on an hf-mount file system, where transformers does not map files either"
-    return None
-
-
 def _mapped_tensor(plan: TensorEntry) -> torch.Tensor:
-    # shared=False maps the file privately: a write (none is expected) would copy the page, never touch the file.
-    size = os.path.getsize(plan.path)
-    storage = torch.UntypedStorage.from_file(plan.path, shared=False, nbytes=size)
-    _advise_random(storage.data_ptr(), size)
-    return torch.empty(0, dtype=plan.dtype).set_(storage, plan.offset // plan.dtype.itemsize, plan.shape)
-
-
-def _advise_random(address: int, length: int) -> None:
-    """Rows are looked up one by one: a page fault should read its page, not the kernel's read-ahead around it
-    (neighbouring rows, or the experts beside the table in its file, which a direct-read store keeps out of the
-    page cache). Best effort: where madvise is missing the mapping works as it is."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), MADV_RANDOM)
-    except (OSError, AttributeError):
-        pass
+    storage = map_file(plan.path)
+    # Rows are looked up one by one: a page fault should read its page, not the kernel's read-ahead around it
+    # (neighbouring rows, or the experts beside the table in its file, which a direct-read store keeps out of the
+    # page cache).
+    advise(storage.data_ptr(), storage.nbytes(), MADV_RANDOM)
+    return tensor_at(storage, plan)
 
 
 def _locate(skeleton: nn.Module, index: CheckpointIndex | None, dtype: torch.dtype, device: torch.device,
