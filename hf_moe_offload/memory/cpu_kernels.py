@@ -120,7 +120,7 @@ class PrepackedWeights:
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of `weight` (made now if it is new or was written since, and the budget allows), or
         None."""
-        key = (weight.data_ptr(), weight.shape[0], weight.shape[1])
+        key = _key(weight)
         found = self._packed.get(key)
         version = _version(weight)
         if found is not None and found[1] == version:
@@ -145,7 +145,7 @@ class PrepackedWeights:
 
     def copy_of(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of `weight` made already and still current, or None (never packs)."""
-        found = self._packed.get((weight.data_ptr(), weight.shape[0], weight.shape[1]))
+        found = self._packed.get(_key(weight))
         return found[0] if found is not None and found[1] == _version(weight) else None
 
     def close(self) -> None:
@@ -162,6 +162,11 @@ class PrepackedWeights:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _key(weight: torch.Tensor) -> tuple[int, int, int]:
+    """What identifies a weight's packed copy: where its bytes start and its [N, K] shape."""
+    return weight.data_ptr(), weight.shape[0], weight.shape[1]
 
 
 def _version(weight: torch.Tensor) -> int:
