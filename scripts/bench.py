@@ -2095,12 +2095,20 @@ def try_plot(results: list[dict], title: str, png: Path) -> bool:
     if not succeeded(results):
         log.warning("no plot: no row succeeded (the JSON has each row's error)")
         return False
+    if not plotting_available():
+        return False
+    plot(results, title, png)
+    return True
+
+
+def plotting_available() -> bool:
+    """Whether matplotlib is installed (the plots need it); without it, one warning line. The benchmarks write their
+    JSON and tables either way."""
     try:
-        import matplotlib  # noqa: F401
+        import matplotlib  # noqa: F401  (optional: the plots only)
     except ImportError:
         log.warning("no plot: matplotlib is not installed; pip install matplotlib (or .[bench]) for the plot")
         return False
-    plot(results, title, png)
     return True
 
 

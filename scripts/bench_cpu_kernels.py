@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))   # gguf_checkpoints: the GGUF vocabulary
-from bench import ModelShape, build_checkpoint  # noqa: E402
+from bench import ModelShape, build_checkpoint, plotting_available  # noqa: E402
 
 GiB = 2**30
 
@@ -367,12 +367,7 @@ def main() -> None:
         out = str(args.out)                               # not with_suffix: "1.95gb" is no suffix
         Path(out + ".json").write_text(json.dumps(report, indent=1) + "\n")
         Path(out + ".md").write_text(table + "\n")
-        try:
-            import matplotlib  # noqa: F401  (optional: the plot only)
-        except ImportError:
-            print("no plot: matplotlib is not installed; pip install matplotlib (or .[bench]) for the plot",
-                  file=sys.stderr)
-        else:
+        if plotting_available():
             plot(settings, Path(out + ".png"))
 
 

@@ -430,11 +430,7 @@ def write_outputs(report: dict[str, Any], out: Path) -> None:
     Path(base + ".json").write_text(json.dumps(report, indent=1) + "\n")
     table = markdown(report["rows"])
     Path(base + ".md").write_text(table + "\n")
-    try:
-        import matplotlib  # noqa: F401  (optional: the plot only)
-    except ImportError:
-        log.warning("no plot: matplotlib is not installed; pip install matplotlib (or .[bench]) for the plot")
-    else:
+    if bench.plotting_available():
         plot(report["rows"], title(report), Path(base + ".png"))
     print(f"\n{title(report)}\n\n{table}\n")
 

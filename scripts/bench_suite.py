@@ -262,12 +262,9 @@ def write_suite(report: dict[str, Any], out: Path, png: bool = True) -> list[Pat
     written = [Path(base + ".json"), Path(base + ".md")]
     written[0].write_text(json.dumps(report, indent=1, default=str) + "\n")
     written[1].write_text(suite_markdown(report))
-    if png:
-        try:
-            plot(report, Path(base + ".png"))
-            written.append(Path(base + ".png"))
-        except ImportError:
-            log.warning("no plot: matplotlib is not installed")
+    if png and bench.plotting_available():
+        plot(report, Path(base + ".png"))
+        written.append(Path(base + ".png"))
     return written
 
 
