@@ -113,7 +113,7 @@ def test_only_registered_memory_within_the_budget_is_packed(no_compiled_gemv):
         first = packed.packed(inside[0].view(64, 32))
         assert packed.packed(inside[0].view(64, 32)) is first  # built once
         assert torch.equal(linear(x, inside[1].view(64, 32)), F.linear(x, inside[1].view(64, 32)))
-    assert packed not in cpu_kernels._ACTIVE and packed.packed_bytes == 0
+    assert packed not in cpu_kernels.active_registrations() and packed.packed_bytes == 0
 
 
 def test_float32_weights_keep_f_linear():
@@ -170,7 +170,7 @@ def test_state_dict_and_disable_read_the_store_not_the_packed_copies(bf16_mixtra
     state = model.state_dict()
     assert all(torch.equal(state[name], tensor) for name, tensor in ref_state.items())
     hf_moe_offload.disable(model)
-    assert packed not in cpu_kernels._ACTIVE and packed.packed_bytes == 0
+    assert packed not in cpu_kernels.active_registrations() and packed.packed_bytes == 0
     restored = model.state_dict()
     assert all(torch.equal(restored[name], tensor) for name, tensor in ref_state.items())
 
@@ -179,10 +179,10 @@ def test_weight_read_rates_and_the_profile_field():
     from hf_moe_offload.planning.measure import weight_read_rates
     from hf_moe_offload.planning.profile import MachineProfile, ProfileError
 
-    active = set(cpu_kernels._ACTIVE)                          # other tests' models may still be alive
+    active = set(cpu_kernels.active_registrations())           # other tests' models may still be alive
     rates = weight_read_rates(nbytes=1 << 20, hidden=64, seconds=0, threads=(1,))
     assert sorted(rates) == ["bf16_1t", "int4_1t", "int8_1t", "stream_1t"] and min(rates.values()) > 0
-    assert set(cpu_kernels._ACTIVE) <= active                  # its registration is closed
+    assert set(cpu_kernels.active_registrations()) <= active   # its registration is closed
     p = MachineProfile(name="x", source="test", disk_read_bytes_per_s=2e9, host_memcpy_bytes_per_s=1e10,
                        cpu_flops_bf16_batch1=5e9, cpu_flops_bf16_large=1e11, cpu_flops_fp32_batch1=5e9,
                        cpu_flops_fp32_large=1e11, cpu_threads=2, host_memory_bytes=1 << 34,

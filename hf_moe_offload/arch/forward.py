@@ -58,6 +58,16 @@ def group_by_expert(expert_of_row: torch.Tensor, num_experts: int, on_host: torc
     return rows
 
 
+def slots_of_one_token(routed: list[int]) -> dict[int, slice] | None:
+    """One token's routing `routed` [k] (-1: no expert) as `{expert: its slot}`, experts in ascending order like
+    `group_by_expert`'s; None when an expert takes two of the token's slots (`group_by_expert` serves that). A slot
+    is a one-row slice, so indexing with it copies nothing: the decode step of a single sequence skips the sort,
+    the count and the gathers of the general path."""
+    slots = {expert: slice(slot, slot + 1) for slot, expert in sorted(enumerate(routed), key=lambda s: s[1])
+             if expert >= 0}
+    return slots if len(slots) == sum(expert >= 0 for expert in routed) else None
+
+
 def _capturing(device: torch.device) -> bool:
     """Whether `device`'s current stream is capturing a CUDA graph (the check looks at the current device only)."""
     with torch.cuda.device(device):
@@ -164,21 +174,26 @@ def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, rout
     """
     num_tokens, hidden = hidden_states.shape                      # [T, H]
     k = routed_to.shape[-1]
-    rows_of = group_by_expert(routed_to.reshape(-1), num_experts,   # {expert: its (token, slot) rows [n]}
-                              None if routed_on_host is None else routed_on_host.reshape(-1))
+    on_host = routes_on_host(routed_to.reshape(-1)) if routed_on_host is None else routed_on_host.reshape(-1)
+    # {expert: its (token, slot) rows [n]}, or for a single token {expert: its slot}
+    rows_of = slots_of_one_token(on_host.tolist()) if num_tokens == 1 else None
+    if rows_of is not None:
+        tokens = [1] * len(rows_of)                               # what expert_compute="auto" weighs
+    else:
+        rows_of = group_by_expert(routed_to.reshape(-1), num_experts, on_host)
+        tokens = [rows.numel() for rows in rows_of.values()]
     row_weights = None if routing_weights is None else routing_weights.reshape(-1)   # [T*k]
     if out_dtype is None:
         out_dtype = hidden_states.dtype if row_weights is None else torch.promote_types(hidden_states.dtype,
                                                                                         row_weights.dtype)
-    tokens = [rows.numel() for rows in rows_of.values()]          # what expert_compute="auto" weighs
     shown = hidden_states if layer_input is None else layer_input
     with _expert_compute(), contextlib.closing(runtime.fetch(list(rows_of), shown, tokens)) as fetched:
         # Zeros only where some slot goes to no expert (Switch's capacity drops, Llama-4's unrouted experts).
         make = hidden_states.new_empty if sum(tokens) == num_tokens * k else hidden_states.new_zeros
         weighted = make(num_tokens * k, hidden, dtype=out_dtype)  # [T*k, H]
         for expert, weights in fetched:
-            rows = rows_of[expert]                                # [n]
-            x = hidden_states[rows // k if k > 1 else rows]       # [n, H]
+            rows = rows_of[expert]                                # [n] (or a slice of one slot)
+            x = hidden_states if isinstance(rows, slice) else hidden_states[rows // k if k > 1 else rows]  # [n, H]
             y = expert_fn(x.to(weights_device(weights)), weights).to(weighted.device)   # [n, H]
             weighted[rows] = y if row_weights is None else y * row_weights[rows, None]
         out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)   # [T, H]

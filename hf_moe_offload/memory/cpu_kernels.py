@@ -47,9 +47,22 @@ RESERVE_MIN_BYTES = 1 << 30      # ... and never less than this
 GEMV_ENV = "HF_MOE_OFFLOAD_CPU_GEMV"   # "1": the compiled one-row product (approximate)
 
 # Registrations live now; `linear` consults them. Weak: a registration lives as long as its owner (the engine's
-# cache and stats) and goes with a model that is dropped without `disable()`, slabs and copies included.
-_ACTIVE: "weakref.WeakSet[PrepackedWeights]" = weakref.WeakSet()
+# cache and stats) and goes with a model that is dropped without `disable()`, slabs and copies included. A tuple
+# replaced whole at every change, so `linear` reads it without a lock or a copy.
+_ACTIVE: "tuple[weakref.ref[PrepackedWeights], ...]" = ()
 _ACTIVE_LOCK = threading.Lock()
+
+
+def active_registrations() -> list["PrepackedWeights"]:
+    """The registrations `linear` consults now."""
+    return [registration for registration in (ref() for ref in _ACTIVE) if registration is not None]
+
+
+def _set_active(add: "PrepackedWeights | None" = None, remove: "PrepackedWeights | None" = None) -> None:
+    global _ACTIVE
+    with _ACTIVE_LOCK:
+        kept = tuple(ref for ref in _ACTIVE if ref() is not None and ref() is not remove)
+        _ACTIVE = kept + ((weakref.ref(add),) if add is not None else ())
 
 
 def prepack_supported(dtype: torch.dtype) -> bool:
@@ -98,8 +111,7 @@ class PrepackedWeights:
         self._packed: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}   # key -> (copy, weight version)
         self._lock = threading.Lock()
         self._full_logged = False
-        with _ACTIVE_LOCK:
-            _ACTIVE.add(self)
+        _set_active(add=self)
 
     @classmethod
     def for_store(cls, store) -> "PrepackedWeights | None":
@@ -150,8 +162,7 @@ class PrepackedWeights:
 
     def close(self) -> None:
         """Drop every packed copy and the registration (before the tensors are freed or written)."""
-        with _ACTIVE_LOCK:
-            _ACTIVE.discard(self)
+        _set_active(remove=self)
         with self._lock:
             self._packed.clear()
             self._tensors, self._starts, self._ends = [], [], []
@@ -210,17 +221,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
             or weight.dim() != 2 or not weight.is_contiguous() or x.numel() == 0 \
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
         return F.linear(x, weight)
-    flat = x.reshape(-1, x.shape[-1])                                                    # [T, K]
-    if flat.shape[0] == 1:
-        out = _COMPILED_GEMV(flat, weight)                                               # [1, N]
-        if out is not None:
-            return out.view(*x.shape[:-1], weight.shape[0])
-    for registration in tuple(_ACTIVE):     # a copy: another thread may register meanwhile
-        packed = registration.packed(weight)
-        if packed is not None:
-            out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, None, "none", [], "")   # [T, N]
-            return out.view(*x.shape[:-1], weight.shape[0])
-    return F.linear(x, weight)
+    flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])                             # [T, K]
+    out = _COMPILED_GEMV(flat, weight) if flat.shape[0] == 1 else None                   # [1, N]
+    if out is None:
+        for ref in _ACTIVE:
+            registration = ref()
+            packed = None if registration is None else registration.packed(weight)
+            if packed is not None:
+                out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, None, "none", [], "")  # [T, N]
+                break
+        else:
+            return F.linear(x, weight)
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
 
 
 class DenseLinears:
