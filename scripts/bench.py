@@ -772,8 +772,7 @@ def warmup(model, spec: dict[str, Any]) -> float:
     start = time.perf_counter()
     with torch.inference_mode():
         model.generate(ids.to(compute_device(spec)), attention_mask=mask.to(compute_device(spec)),
-                       max_new_tokens=spec["warmup_tokens"], min_new_tokens=spec["warmup_tokens"], do_sample=False,
-                       pad_token_id=0)
+                       **fixed_length(spec["warmup_tokens"]))
     return time.perf_counter() - start
 
 
@@ -1004,9 +1003,7 @@ def run_worker(spec: dict[str, Any]) -> dict[str, Any]:
     allocator_start = allocator() if allocator else None
     reads_start, gen_start = proc_read_bytes(), time.perf_counter()
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=spec["new_tokens"],
-                             min_new_tokens=spec["new_tokens"], do_sample=False, stopping_criteria=[probe],
-                             pad_token_id=0)
+        out = model.generate(ids, attention_mask=mask, stopping_criteria=[probe], **fixed_length(spec["new_tokens"]))
     result = {
         **{k: spec[k] for k in ("system", "batch", "evict", "device", "store", "cap_bytes")},
         "load_s": load_s, "load_read_bytes": load_reads,
@@ -2099,6 +2096,13 @@ def try_plot(results: list[dict], title: str, png: Path) -> bool:
         return False
     plot(results, title, png)
     return True
+
+
+def fixed_length(new_tokens: int) -> dict[str, Any]:
+    """`generate()` arguments for exactly `new_tokens` greedy tokens: no end-of-sequence token, so nothing stops
+    early and no min-length processor runs (those scan the whole vocabulary at every step, which llama.cpp's loop
+    does not)."""
+    return dict(max_new_tokens=new_tokens, eos_token_id=None, do_sample=False, pad_token_id=0)
 
 
 def plotting_available() -> bool:

@@ -33,7 +33,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.append(str(Path(__file__).resolve().parent.parent / "tests"))   # gguf_checkpoints: the GGUF vocabulary
-from bench import ModelShape, build_checkpoint, plotting_available  # noqa: E402
+from bench import ModelShape, build_checkpoint, fixed_length, plotting_available  # noqa: E402
 
 GiB = 2**30
 
@@ -140,8 +140,8 @@ def decode(model, ids, new_tokens: int, count=lambda: 0) -> tuple[float, float, 
 
     clock = StepClock(count)
     with torch.inference_mode():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, stopping_criteria=[clock])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), stopping_criteria=[clock],
+                             **fixed_length(new_tokens))
     steps = len(clock.stamps) - 1
     return ((clock.stamps[-1] - clock.stamps[0]) / steps, (clock.counts[-1] - clock.counts[0]) / steps,
             out[:, ids.shape[1]:].tolist())
