@@ -59,6 +59,7 @@ def active_registrations() -> list["PrepackedWeights"]:
 
 
 def _set_active(add: "PrepackedWeights | None" = None, remove: "PrepackedWeights | None" = None) -> None:
+    """Replace `_ACTIVE` with `add` registered, `remove` and collected registrations left out."""
     global _ACTIVE
     with _ACTIVE_LOCK:
         kept = tuple(ref for ref in _ACTIVE if ref() is not None and ref() is not remove)
