@@ -98,7 +98,7 @@ def test_a_weight_that_differs_from_its_file_or_is_shared_stays_in_memory(bf16_m
     model.lm_head.weight = model.model.embed_tokens.weight          # tied: the table is read by its row lookups
     layers = {"model.layers.0.self_attn.q_proj": q_proj, "model.layers.0.self_attn.k_proj": k_proj,
               "lm_head": model.lm_head}
-    assert mapped_dense.map_dense_weights(model, layers, index) == [q_proj]
+    assert mapped_dense.map_dense_weights(model, layers, index, file_maps.FileMaps()) == [q_proj]
     assert file_backed(q_proj.weight) and not file_backed(k_proj.weight)
     assert not file_backed(model.lm_head.weight)
 
@@ -127,7 +127,8 @@ def test_a_mapped_weight_is_read_once_then_its_pages_are_handed_back(tmp_path):
     save_file({"proj.weight": original}, str(tmp_path / "model.safetensors"))
     model = torch.nn.Module()
     model.proj = layer
-    [mapped] = mapped_dense.map_dense_weights(model, {"proj": layer}, CheckpointIndex.open(tmp_path))
+    [mapped] = mapped_dense.map_dense_weights(model, {"proj": layer}, CheckpointIndex.open(tmp_path),
+                                               file_maps.FileMaps())
     weight = mapped.weight
     assert weight is not original and file_backed(weight)
     assert _resident_bytes_of_mapping(weight.data_ptr()) >= weight.nbytes - 8192

@@ -18,14 +18,18 @@ from ..prefetch.hash import HashPredictor, HashPrefetcher
 from ..runtime.engine import OffloadEngine
 from ..runtime.pass_scheduler import PassScheduler
 from ..storage.checkpoint import CheckpointIndex
+from .file_maps import FileMaps
 from .mapped_dense import map_dense_weights, release_pages
 
 
 def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: ResolvedPolicy,
-                      predictor: HashPredictor | None, index: CheckpointIndex | None = None) -> PreTrainedModel:
+                      predictor: HashPredictor | None, index: CheckpointIndex | None = None,
+                      maps: FileMaps | None = None) -> PreTrainedModel:
     """Attach what rides on the engine: the plan summary, the wide stream window ("auto" on the CPU without a plan),
     the predictor's hook, CPU attention, batching defaults, CPU kernels. `index`: the checkpoint's safetensors
-    tensors the model was loaded from, where its own dense weights can be left in their files."""
+    tensors the model was loaded from, where its own dense weights can be left in their files (mapped in `maps`,
+    which may hold the input embedding table already); the files mapped are checked before every forward and
+    `state_dict()` until `disable()`."""
     engine.plan = resolved.plan
     if resolved.widen_stream_window:
         for hook in engine.hooks:
@@ -35,7 +39,11 @@ def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: R
         engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
     _apply_attention(model, engine)
     _apply_batching(model, engine)
-    _apply_cpu_kernels(model, engine, index)
+    maps = FileMaps() if maps is None else maps
+    _apply_cpu_kernels(model, engine, index, maps)
+    if maps.mapped:
+        engine.on_detach.append(maps.guard(model))
+        engine.detach_checks.append(maps.check)      # disable() reads the mapped embedding table back
     return model
 
 
@@ -64,7 +72,8 @@ def _apply_batching(model: PreTrainedModel, engine: OffloadEngine) -> None:
     if remove is not None:
         engine.on_detach.append(remove)
 
-def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine, index: CheckpointIndex | None) -> None:
+def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine, index: CheckpointIndex | None,
+                       maps: FileMaps) -> None:
     """The model's own bfloat16 linear layers on the CPU take the experts' CPU kernels (`memory.cpu_kernels`). A
     layer whose weight the checkpoint holds as loaded keeps only its packed copy, the weight left in the file
     (`loading.mapped_dense`); the others' copies come within what memory (RAM, or the container's limit) leaves once
@@ -75,7 +84,7 @@ def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine, index: Che
     # A CPU cache's slots are allocated but not yet written: their pages do not count as used until they are.
     cache = engine.stats.capacity_bytes if on_cpu else 0
     skip = tuple(layer.name for layer in engine.layers)
-    in_file = map_dense_weights(model, DenseLinears.eligible(model, skip), index) if index is not None else []
+    in_file = map_dense_weights(model, DenseLinears.eligible(model, skip), index, maps) if index is not None else []
     dense = DenseLinears.attach(model, skip=skip, budget_bytes=max(0, prepack_budget() - experts - cache),
                                 packed_only=in_file, release=release_pages)
     engine.dense_in_file_bytes = sum(m.weight.numel() * m.weight.element_size() for m in dense.packed_only)

@@ -36,6 +36,7 @@ from ..storage.packed_checkpoint import PackedCheckpointIndex, PackedSource
 from ..storage.store import CpuStore, DiskStore, ExpertStore, dense_expert
 from .experts_store import policy_quantized_layouts, quantized_store
 from .finish import check_attention, finish_offloading, load_predictor
+from .file_maps import FileMaps
 from .mapped_embedding import load_input_embedding, map_input_embedding, plan_mapped_embedding
 from .packed_load import (
     expert_modules,
@@ -112,8 +113,9 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
                                          device_map=placement.module_map, **kwargs)
     if checkpoint_is_mxfp4(config):
         forget_mxfp4_conversions(model)
+    maps = FileMaps(disable_mmap=no_mmap)      # the checkpoint files read in place, guarded below
     mapped = placement.embedding is not None and map_input_embedding(
-        model, placement.embedding, required=placement.resolved.policy.embedding == "mapped")
+        model, placement.embedding, required=placement.resolved.policy.embedding == "mapped", maps=maps)
     layers = arch.find_layers(model)
     if packed is not None:
         model_dtype = next(layers[0].module.parameters()).dtype      # what transformers chose
@@ -125,7 +127,8 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     if mapped:
         engine.embedding = "mapped"
         engine.on_detach.append(lambda: load_input_embedding(model))
-    return finish_offloading(model, engine, placement.resolved, predictor, index=None if packed or no_mmap else index)
+    return finish_offloading(model, engine, placement.resolved, predictor, index=None if packed or no_mmap else index,
+                             maps=maps)
 
 
 def _offload_kwargs(policy: OffloadPolicy, kwargs: dict) -> tuple[Any, Any, Any]:

@@ -22,18 +22,19 @@ import torch
 from torch import nn
 
 from ..storage.checkpoint import CheckpointIndex
-from .file_maps import MADV_DONTNEED, advise, file_mapping_refusal, map_file, tensor_at
+from .file_maps import MADV_DONTNEED, FileMaps, advise
 
 logger = logging.getLogger(__name__)
 
 MIN_BYTES = 1 << 20        # smaller weights save little, and a router's weight is held by the look-ahead as well
 
 
-def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: CheckpointIndex) -> list[nn.Linear]:
+def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: CheckpointIndex,
+                      maps: FileMaps) -> list[nn.Linear]:
     """Replace the weight of each of `layers` (by module name) whose checkpoint tensor holds the same bytes by a
-    private mapping of its file; the layers replaced. The loaded copy is freed once nothing else holds it."""
+    private mapping of its file (in `maps`); the layers replaced. The loaded copy is freed once nothing else holds
+    it."""
     shared = _shared_parameters(model)
-    files: dict[str, torch.UntypedStorage | None] = {}    # None: a file not to be mapped
     mapped = []
     for name, module in layers.items():
         weight = module.weight
@@ -43,12 +44,9 @@ def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: Che
         entry = index.entries[key]
         if entry.dtype != weight.dtype or tuple(entry.shape) != tuple(weight.shape) or entry.offset % weight.itemsize:
             continue
-        if entry.path not in files:
-            refused = file_mapping_refusal(entry.path, disable_mmap=False) is not None
-            files[entry.path] = None if refused else map_file(entry.path)
-        if files[entry.path] is None:
+        in_file = maps.tensor(entry)
+        if in_file is None:
             continue
-        in_file = tensor_at(files[entry.path], entry)
         if not torch.equal(in_file, weight.detach()):
             logger.debug("hf_moe_offload: %s differs from its checkpoint tensor; it stays in memory", key)
             continue

@@ -13,12 +13,14 @@ dtype.
 
 from __future__ import annotations
 
+import mmap
+
 import torch
 from torch import nn
 
 from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError
 from ..storage.checkpoint import CheckpointIndex, TensorEntry
-from .file_maps import MADV_RANDOM, advise, file_mapping_refusal, map_file, tensor_at
+from .file_maps import MADV_RANDOM, FileMaps, advise, file_mapping_refusal
 
 
 def plan_mapped_embedding(policy: OffloadPolicy, skeleton: nn.Module, index: CheckpointIndex | None,
@@ -38,9 +40,10 @@ def plan_mapped_embedding(policy: OffloadPolicy, skeleton: nn.Module, index: Che
     return location
 
 
-def map_input_embedding(model: nn.Module, plan: TensorEntry, required: bool) -> bool:
-    """Replace the loaded table of `model` by its mapping (the loaded copy is freed); whether it did. A table that
-    transformers loaded in another dtype or shape than planned stays loaded, or is refused if `required`."""
+def map_input_embedding(model: nn.Module, plan: TensorEntry, required: bool, maps: FileMaps) -> bool:
+    """Replace the loaded table of `model` by its mapping in `maps` (the loaded copy is freed); whether it did. A
+    table that transformers loaded in another dtype or shape than planned stays loaded, or is refused if
+    `required`."""
     module = model.get_input_embeddings()
     weight = module.weight
     if weight.dtype != plan.dtype or tuple(weight.shape) != tuple(plan.shape):
@@ -49,7 +52,15 @@ def map_input_embedding(model: nn.Module, plan: TensorEntry, required: bool) -> 
                               f"checkpoint's {plan.dtype} {tuple(plan.shape)} ({plan.path}); use embedding='memory' or "
                               f"'auto'")
         return False
-    module.weight = nn.Parameter(_mapped_tensor(plan), requires_grad=weight.requires_grad)
+    table = maps.tensor(plan)
+    if table is None:       # planned with the same refusal rule: only if the file moved under an hf-mount since
+        return False
+    # Rows are looked up one by one: a page fault should read its page, not the kernel's read-ahead around it
+    # (neighbouring rows, or the experts beside the table in its file, which a direct-read store keeps out of the
+    # page cache).
+    start = table.data_ptr() // mmap.PAGESIZE * mmap.PAGESIZE          # madvise takes whole pages
+    advise(start, table.data_ptr() + table.nbytes - start, MADV_RANDOM)
+    module.weight = nn.Parameter(table, requires_grad=weight.requires_grad)
     return True
 
 
@@ -57,15 +68,6 @@ def load_input_embedding(model: nn.Module) -> None:
     """Read the mapped table into memory, as transformers loads it (`disable()`: the model is its own again)."""
     module = model.get_input_embeddings()
     module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
-
-
-def _mapped_tensor(plan: TensorEntry) -> torch.Tensor:
-    storage = map_file(plan.path)
-    # Rows are looked up one by one: a page fault should read its page, not the kernel's read-ahead around it
-    # (neighbouring rows, or the experts beside the table in its file, which a direct-read store keeps out of the
-    # page cache).
-    advise(storage.data_ptr(), storage.nbytes(), MADV_RANDOM)
-    return tensor_at(storage, plan)
 
 
 def _locate(skeleton: nn.Module, index: CheckpointIndex | None, dtype: torch.dtype, device: torch.device,

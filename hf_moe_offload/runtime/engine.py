@@ -137,6 +137,7 @@ class OffloadEngine:
         self.batching_overrides: dict[str, Any] = {}
         self._state_dict_hooks: list = []
         self.on_detach: list[Callable[[], None]] = []   # clean-ups owned by whoever attached (e.g. a spill dir)
+        self.detach_checks: list[Callable[[], None]] = []   # run before detach changes anything; may raise
         self.micro_batched: microbatch.MicroBatchedLayers | None = None   # policy.micro_batches > 1
 
     @classmethod
@@ -273,11 +274,14 @@ class OffloadEngine:
     def detach(self) -> None:
         """Give the experts back to the model as parameters and remove everything attached.
 
-        A store on disk is read into host memory first: a failed read raises here and leaves the model offloaded
-        and working. A store in host memory cannot fail a read, so its experts go back one layer at a time, each
-        layer's host copy released once restored: host memory never holds a second copy of every expert. Either
-        way the cache is freed before the experts go back to the device, so the two never coexist there.
+        `detach_checks` run first, then a store on disk is read into host memory: a failed check or read raises
+        here and leaves the model offloaded and working. A store in host memory cannot fail a read, so its experts
+        go back one layer at a time, each layer's host copy released once restored: host memory never holds a second
+        copy of every expert. Either way the cache is freed before the experts go back to the device, so the two
+        never coexist there.
         """
+        for check in self.detach_checks:
+            check()
         experts: list | None = None
         if not self.store.in_host_memory:
             with torch.inference_mode(False), self.cache.lock:
