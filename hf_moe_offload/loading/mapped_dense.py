@@ -49,6 +49,7 @@ def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: Che
             continue
         if not torch.equal(in_file, weight.detach()):
             logger.debug("hf_moe_offload: %s differs from its checkpoint tensor; it stays in memory", key)
+            release_pages(in_file)           # the comparison read them; the map stays for the file's other tensors
             continue
         module.weight = nn.Parameter(in_file, requires_grad=weight.requires_grad)
         mapped.append(module)
