@@ -56,6 +56,14 @@ def planner_shape(shape: Any) -> Any:
     return ModelShape.from_config(mixtral_config(shape), torch.bfloat16)
 
 
+def unpatched(profile: Any) -> Any:
+    """`profile` as transformers' own model (or ours with the CPU kernels off) runs: every product through
+    `F.linear`, none through a prepacked copy."""
+    import dataclasses
+
+    return dataclasses.replace(profile, cpu_expert_flops_bf16_packed=None)
+
+
 def predict_decode(pshape: Any, profile: Any, store: str, share: float, batch: int, prompt_len: int,
                    new_tokens: int, read_bytes_per_token: float | None = None) -> float:
     """Predicted decode tok/s of an hf_moe_offload (or resident: store "cpu", share 1) row. `read_bytes_per_token`:
@@ -83,7 +91,8 @@ def row_prediction(pshape: Any, profile: Any, row: dict[str, Any], prompt_len: i
         return {"planner_tok_s": None, "planner_measured_bytes_tok_s": None}
     batch = row["batch"]
     if system == "resident" or row.get("store") == "cpu":
-        dec = predict_decode(pshape, profile, "cpu", 1.0, batch, prompt_len, new_tokens)
+        dec = predict_decode(pshape, unpatched(profile) if system == "resident" else profile, "cpu", 1.0, batch,
+                             prompt_len, new_tokens)
         return {"planner_tok_s": dec, "planner_measured_bytes_tok_s": dec}
     ours = row.get("ours") or {}
     share = (ours.get("cache_capacity_bytes") or 0) / pshape.all_expert_bytes

@@ -150,7 +150,7 @@ def _has_llama_cpp() -> bool:
 
 def kernel_rows(settings: list[dict[str, Any]], shape: bench.ModelShape, spec: dict[str, Any], profile: Any
                 ) -> list[dict[str, Any]]:
-    from bench_planner import planner_shape, predict_decode
+    from bench_planner import planner_shape, predict_decode, unpatched
 
     pshape = planner_shape(shape)
     labels = {"ours_f_linear": "ours, F.linear", "llama_cpp": "llama.cpp"}
@@ -160,7 +160,8 @@ def kernel_rows(settings: list[dict[str, Any]], shape: bench.ModelShape, spec: d
         llama = {r["batch"]: r["tok_s"] for r in s["rows"] if r["system"] == "llama_cpp"}
         for r in sorted(s["rows"], key=lambda r: (r["batch"], r["system"] != "resident")):
             modelled = r["system"] != "llama_cpp" and profile.cpu_threads == t
-            pred = predict_decode(pshape, profile, "cpu", 1.0, r["batch"], spec["prompt_len"], spec["new_tokens"]) \
+            kernels = profile if r["system"] == "ours" else unpatched(profile)   # resident, ours F.linear
+            pred = predict_decode(pshape, kernels, "cpu", 1.0, r["batch"], spec["prompt_len"], spec["new_tokens"]) \
                 if modelled else None
             match = "ref" if r["system"] == "resident" else (
                 "not compared" if r["system"] == "llama_cpp" else ("yes" if r["same_tokens_as_resident"] else "no"))

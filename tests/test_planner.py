@@ -15,6 +15,7 @@ from hf_moe_offload.planning.planner import ModelShape, make_plan, memory_needed
 from hf_moe_offload.policy.offload_policy import PolicyError
 from hf_moe_offload.planning.measure import measure
 from hf_moe_offload.planning.profile import MachineProfile, ProfileError, load_profile
+from hf_moe_offload.memory.cpu_kernels import prepack_supported
 
 GiB = 1 << 30
 
@@ -86,6 +87,10 @@ def test_measure_smoke_saves_and_loads(tmp_path, monkeypatch):
                 seconds_per_kernel=0.001, device="cpu", expert_hidden=64, expert_rows=(1, 8), cold_bytes=1 << 20)
     assert not p.has_device and p.disk_read_bytes_per_s > 0 and p.cpu_flops_bf16_large > 0
     assert sorted(p.cpu_expert_flops_bf16, key=int) == ["1", "8"] and p.cpu_elementwise_fp32_per_s > 0
+    if prepack_supported(torch.bfloat16):     # the prepacked kernel's curve, measured where oneDNN has bf16
+        assert sorted(p.cpu_expert_flops_bf16_packed, key=int) == ["1", "8"]
+    else:
+        assert p.cpu_expert_flops_bf16_packed is None
     saved = p.save()
     assert saved == tmp_path / "profile.json"
     assert load_profile() == p
@@ -123,7 +128,7 @@ def _cpu_profile(**extra) -> MachineProfile:
 
 
 def test_new_profile_fields_round_trip_and_old_files_still_load(tmp_path):
-    p = _cpu_profile()
+    p = _cpu_profile(cpu_expert_flops_bf16_packed={"1": 4e10, "1024": 4e11})
     path = p.save(tmp_path / "p.json")
     assert MachineProfile.load(path) == p
     assert p.expert_flops(1024, 2) == pytest.approx(4e11) and 2e10 < p.expert_flops(8, 2) < 3e11
@@ -131,7 +136,8 @@ def test_new_profile_fields_round_trip_and_old_files_still_load(tmp_path):
     old = load_profile("l4")
     assert old.cpu_expert_flops_bf16 is None and old.expert_flops(8, 2) is None
     for field, value in (("cpu_expert_flops_bf16", [1, 2]), ("cpu_expert_flops_fp32", {"x": 1e9}),
-                         ("cpu_expert_flops_bf16", {"4": -1}), ("cpu_elementwise_bf16_per_s", "fast"),
+                         ("cpu_expert_flops_bf16", {"4": -1}), ("cpu_expert_flops_bf16_packed", {"1": 0}),
+                         ("cpu_elementwise_bf16_per_s", "fast"),
                          ("step_overhead_s", 0)):
         path.write_text(json.dumps(dict(p.to_dict(), **{field: value})))
         with pytest.raises(ProfileError, match=field):
@@ -151,6 +157,25 @@ def test_cost_model_counts_what_a_matmul_misses(mixtral):
     assert full[0] < bare[0] and full[1] < bare[1]
     fewer = predict(mixtral, _cpu_profile(), cand, "cpu", "disk", 1, 64, 16, read_bytes=(None, 0.0))
     assert fewer[1] > full[1]   # a decode that reads nothing is faster than one reading 75% of its experts
+
+
+def test_prepacked_curve_speeds_up_what_the_engine_packs_and_nothing_else(mixtral):
+    """A CPU store's experts and every dense layer compute through the prepacked kernel on the CPU; a disk store's
+    cache slots keep F.linear. A profile without the packed curve (older files, no oneDNN bf16) plans as before."""
+    from hf_moe_offload.planning.planner import Candidate, predict
+
+    fast = _cpu_profile(cpu_expert_flops_bf16_packed={"1": 6e10, "64": 4e11, "1024": 4e11})
+    assert fast.expert_flops(1, 2, packed=True) == pytest.approx(6e10)
+    assert fast.expert_flops(1, 2) == pytest.approx(2e10) and fast.expert_flops(1, 4, packed=True) == 1e10
+    assert _cpu_profile().expert_flops(1, 2, packed=True) == pytest.approx(2e10)      # no curve: F.linear's
+    cand = Candidate("on_demand", "on_demand", 1.0, 16, "device")
+    in_ram = {p: predict(mixtral, prof, cand, "cpu", "cpu", 1, 16, 16)[1] for p, prof in
+              (("packed", fast), ("plain", _cpu_profile()))}
+    assert in_ram["packed"] > 2 * in_ram["plain"]            # experts and dense layers both 3x faster at 1 row
+    slots = dataclasses.replace(cand, resident_share=0.25)
+    from_disk = {p: predict(mixtral, prof, slots, "cpu", "disk", 1, 16, 16, read_bytes=(None, 0.0))[1]
+                 for p, prof in (("packed", fast), ("plain", _cpu_profile()))}
+    assert from_disk["plain"] < from_disk["packed"] < 1.5 * from_disk["plain"]    # only the dense layers gain
 
 
 def test_auto_uses_the_cached_profile_and_logs_its_plan(tmp_path, monkeypatch, caplog):

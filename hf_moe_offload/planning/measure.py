@@ -79,6 +79,9 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
             values[f"cpu_expert_flops_{key}"] = _expert_curve(expert_hidden, dtype, expert_rows, cold_bytes,
                                                               seconds_per_kernel / 2)
             values[f"cpu_elementwise_{key}_per_s"] = _elementwise_rate(dtype, seconds_per_kernel / 2)
+        if prepack_supported(torch.bfloat16):
+            values["cpu_expert_flops_bf16_packed"] = _expert_curve(expert_hidden, torch.bfloat16, expert_rows,
+                                                                   cold_bytes, seconds_per_kernel / 2, packed=True)
         bar.update(1)
         values["weight_read_bytes_per_s"] = weight_read_rates(cold_bytes, expert_hidden, seconds_per_kernel)
         bar.update(1)
@@ -200,11 +203,12 @@ def _matmul_flops(rows: int, hidden: int, dtype: torch.dtype, device: str, secon
 
 
 def _expert_curve(hidden: int, dtype: torch.dtype, rows_list: tuple[int, ...], cold_bytes: int,
-                  seconds: float) -> dict[str, float]:
+                  seconds: float, packed: bool = False) -> dict[str, float]:
     """FLOP/s of the engine's expert loop body (`execute.offloaded_experts_forward`: gather the rows, gate_up,
     SiLU x up, down, scale by the routing weight, scatter) on an expert of Mixtral's proportions (intermediate =
     3.5 x hidden), per row count. Few rows read the weights once per call: several experts are rotated through
-    `cold_bytes`, more than a last-level cache, so they come from DRAM as in a decode step over the whole model."""
+    `cold_bytes`, more than a last-level cache, so they come from DRAM as in a decode step over the whole model.
+    `packed`: the products through prepacked oneDNN copies (`cpu_kernels.linear`), as a CPU store's experts run."""
     inter = hidden * 7 // 2
     expert_bytes = 3 * hidden * inter * dtype.itemsize
     gen = torch.Generator().manual_seed(0)
@@ -219,16 +223,23 @@ def _expert_curve(hidden: int, dtype: torch.dtype, rows_list: tuple[int, ...], c
         picked = torch.randperm(rows * k, generator=gen)[:rows]            # this expert's (token, slot) rows
         weights = torch.rand(rows * k, dtype=dtype)
         out = torch.empty(rows * k, hidden, dtype=dtype)
+        registration = PrepackedWeights([w for pair in experts for w in pair],
+                                        budget_bytes=2 * expert_bytes * count) if packed else None
+        linear = cpu_kernels.linear if packed else torch.nn.functional.linear
 
         def run() -> None:
             for gate_up, down in experts:
                 x = states[picked // k]
-                gate, up = torch.nn.functional.linear(x, gate_up).chunk(2, dim=-1)
-                y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down)
+                gate, up = linear(x, gate_up).chunk(2, dim=-1)
+                y = linear(torch.nn.functional.silu(gate) * up, down)
                 out[picked] = y * weights[picked, None]
 
-        run()   # warm-up
-        curve[str(rows)] = best_rate(2.0 * 3 * rows * hidden * inter * count, run, seconds)
+        try:
+            run()   # warm-up (and the packed copies)
+            curve[str(rows)] = best_rate(2.0 * 3 * rows * hidden * inter * count, run, seconds)
+        finally:
+            if registration is not None:
+                registration.close()
         experts.clear()   # free these weights before the next row count's are allocated
     return curve
 

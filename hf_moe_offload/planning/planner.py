@@ -195,10 +195,12 @@ def matmul_seconds(rows: int, params: float, flops: tuple[float, float]) -> floa
     return max(2.0 * params / batch1, 2.0 * rows * params / large)
 
 
-def cpu_matmul_seconds(profile: MachineProfile, rows: int, params: float, dtype_bytes: int) -> float:
+def cpu_matmul_seconds(profile: MachineProfile, rows: int, params: float, dtype_bytes: int,
+                       packed: bool = False) -> float:
     """CPU seconds of `rows` rows through `params` weights: the profile's measured expert-forward curve at that row
-    count (weights cold, gathers and activation included) when it has one, else the two-point roofline."""
-    rate = profile.expert_flops(rows, dtype_bytes)
+    count (weights cold, gathers and activation included) when it has one, else the two-point roofline. `packed`:
+    weights with a prepacked oneDNN copy (the profile's packed curve, where it has one)."""
+    rate = profile.expert_flops(rows, dtype_bytes, packed)
     if rate is None:
         return matmul_seconds(rows, params, profile.cpu_flops(dtype_bytes))
     return 2.0 * max(1, rows) * params / rate
@@ -246,8 +248,10 @@ def layer_cost(shape: ModelShape, profile: MachineProfile, cand: Candidate, devi
             attn_io, cpu_attn = 0.0, 0.0
         compute = t_experts + t_rest + t_dev_attn
     else:
-        t_experts = touched * cpu_matmul_seconds(profile, rows, expert_params, dtype_bytes)
-        t_dense = cpu_matmul_seconds(profile, tokens, shape.dense_params_per_layer, dtype_bytes)
+        # Prepacked on the CPU (memory.cpu_kernels): a CPU store's experts, served in place, and the model's own
+        # layers; a disk store's cache slots are rewritten, so their experts keep F.linear.
+        t_experts = touched * cpu_matmul_seconds(profile, rows, expert_params, dtype_bytes, packed=store == "cpu")
+        t_dense = cpu_matmul_seconds(profile, tokens, shape.dense_params_per_layer, dtype_bytes, packed=True)
         t_attn = max(attn_flops / cpu_flops[1], kv_bytes / profile.host_memcpy_bytes_per_s)
         if decode:   # the dynamic KV cache grows by concatenation: every step copies the layer's cache once
             t_attn += 2 * kv_bytes / profile.host_memcpy_bytes_per_s
@@ -313,7 +317,7 @@ def pass_time(shape: ModelShape, profile: MachineProfile, cand: Candidate, devic
     if device == "cuda":
         total += matmul_seconds(sequences, shape.head_params, (profile.device_flops / 8, profile.device_flops))
     else:
-        total += cpu_matmul_seconds(profile, sequences, shape.head_params, shape.dtype_bytes)
+        total += cpu_matmul_seconds(profile, sequences, shape.head_params, shape.dtype_bytes, packed=True)
     total += profile.step_overhead_s or 0.0
     _bw, link_name = _link(profile, device, store)
     overhead = shape.layers * (profile.layer_overhead_s or 0.0)

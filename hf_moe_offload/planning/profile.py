@@ -47,7 +47,7 @@ _DEVICE_FIELDS = ("h2d_bytes_per_s", "device_flops", "device_memory_bytes", "dev
 # Optional (null or absent in older files): numbers > 0, and {rows: FLOP/s} curves.
 _OPTIONAL_FIELDS = ("layer_overhead_s", "cpu_elementwise_bf16_per_s", "cpu_elementwise_fp32_per_s",
                     "step_overhead_s")
-_CURVE_FIELDS = ("cpu_expert_flops_bf16", "cpu_expert_flops_fp32")
+_CURVE_FIELDS = ("cpu_expert_flops_bf16", "cpu_expert_flops_fp32", "cpu_expert_flops_bf16_packed")
 EXPERT_CURVE_ROWS = (1, 4, 16, 64, 256, 1024)   # row counts the expert curve is measured at
 
 
@@ -97,6 +97,9 @@ class MachineProfile:
     # JSON: {"rows": FLOP/s}; the planner interpolates in log-log between the measured row counts.
     cpu_expert_flops_bf16: dict[str, float] | None = None
     cpu_expert_flops_fp32: dict[str, float] | None = None
+    # The same loop body through the prepacked oneDNN kernel (`memory.cpu_kernels`), as a CPU store's experts and
+    # the model's own bf16 layers compute on the CPU; absent where oneDNN has no bf16 (and in older files).
+    cpu_expert_flops_bf16_packed: dict[str, float] | None = None
     # Element operations per second of SiLU(a) x b (what norms, RoPE, residual adds and the sum over top-k cost
     # per element), per dtype.
     cpu_elementwise_bf16_per_s: float | None = None
@@ -119,10 +122,11 @@ class MachineProfile:
             return self.cpu_flops_bf16_batch1, self.cpu_flops_bf16_large
         return self.cpu_flops_fp32_batch1, self.cpu_flops_fp32_large
 
-    def expert_flops(self, rows: int, dtype_bytes: int) -> float | None:
+    def expert_flops(self, rows: int, dtype_bytes: int, packed: bool = False) -> float | None:
         """CPU FLOP/s of one expert's forward on `rows` rows (log-log interpolation of the measured curve; below
         its first point the rate scales with the rows, as a weight-read-bound kernel's does; beyond its last it
-        stays flat). None when the profile has no curve.
+        stays flat). `packed`: weights with a prepacked oneDNN copy, where the profile measured that kernel (bf16).
+        None when the profile has no curve.
 
         Example:
             >>> p = dataclasses.replace(load_profile("t4"), cpu_expert_flops_bf16={"1": 1e9, "100": 1e11})
@@ -130,6 +134,8 @@ class MachineProfile:
             (10.0, 100.0, None)
         """
         curve = self.cpu_expert_flops_bf16 if dtype_bytes == 2 else self.cpu_expert_flops_fp32
+        if packed and dtype_bytes == 2 and self.cpu_expert_flops_bf16_packed:
+            curve = self.cpu_expert_flops_bf16_packed
         if not curve:
             return None
         points = sorted((int(r), float(f)) for r, f in curve.items())
@@ -248,6 +254,10 @@ class MachineProfile:
         if self.cpu_expert_flops_bf16:
             lines.append("  CPU expert forward bf16 (rows: GFLOP/s) " + ", ".join(
                 f"{r}: {f / 1e9:.0f}" for r, f in sorted(self.cpu_expert_flops_bf16.items(), key=lambda i: int(i[0]))))
+        if self.cpu_expert_flops_bf16_packed:
+            lines.append("  CPU expert forward bf16, prepacked (rows: GFLOP/s) " + ", ".join(
+                f"{r}: {f / 1e9:.0f}" for r, f in sorted(self.cpu_expert_flops_bf16_packed.items(),
+                                                         key=lambda i: int(i[0]))))
         if self.cpu_elementwise_bf16_per_s:
             lines.append(f"  CPU elementwise bf16 {self.cpu_elementwise_bf16_per_s / 1e9:.2f} G/s, fp32 "
                          f"{(self.cpu_elementwise_fp32_per_s or 0) / 1e9:.2f} G/s")
