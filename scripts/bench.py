@@ -1827,6 +1827,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(scripts/bench_cpu_kernels.py), each beside the planner's prediction; --quick: the small "
                         "model, few tokens; --out, --workdir apply; writes OUT.json, OUT.md, OUT.png (default "
                         "benchmarks/results/cpu_suite[_quick])")
+    p.add_argument("--profile", default=None,
+                   help="--suite: the machine profile for the planner's predictions (a JSON from `hf-moe-offload "
+                        "profile --out FILE`; default: this machine, measured at the start at one thread and written "
+                        "beside OUT)")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)
     return fill_defaults(p.parse_args(argv))

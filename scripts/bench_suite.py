@@ -9,9 +9,10 @@
    llama.cpp, against the memory-bandwidth bound.
 
 Beside every measured row: the planner's predicted decode tok/s (`hf_moe_offload.planning.planner.predict`, with
-the machine profile of `--profile` or this machine's measured now, and the disk rate measured in the same run),
-where the planner models the system. Writes OUT.json (every measurement), OUT.md (one table per regime) and
-OUT.png; `--quick` runs the small model with few tokens, a smoke test of the whole suite.
+the machine profile of `--profile`, or this machine's measured at the start and written to OUT.profile.json, and
+the disk rate measured in the same run), where the planner models the system. Writes OUT.json (every
+measurement), OUT.md (one table per regime) and OUT.png; `--quick` runs the small model with few tokens, a smoke
+test of the whole suite.
 """
 
 from __future__ import annotations
@@ -271,12 +272,26 @@ def write_suite(report: dict[str, Any], out: Path, png: bool = True) -> list[Pat
 
 # ------------------------------------------------------------------------------------------------------------ main
 
-def run_suite(quick: bool, workdir: Path, profile_spec: str | None, argv: list[str]) -> dict[str, Any]:
+def suite_profile(profile_spec: str | None, out: Path) -> tuple[Any, str, str]:
+    """(profile, where it came from, a file holding it for bench_memcap's workers): `profile_spec`'s file, or this
+    machine measured now at one thread and written to OUT.profile.json."""
+    from bench_planner import base_profile
+
+    if profile_spec:
+        profile, source = base_profile(profile_spec, 1)
+        return profile, source, profile_spec
+    profile, source = base_profile("measure", 1)
+    path = out.with_name(out.name + ".profile.json")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    profile.save(path)
+    return profile, f"this machine, measured at the start of the run ({path})", str(path)
+
+
+def run_suite(quick: bool, workdir: Path, profile_spec: str | None, argv: list[str], out: Path) -> dict[str, Any]:
     from bench_memcap import library_facts, machine
-    from bench_planner import DEFAULT_PROFILE, base_profile
 
     started, load_before = time.perf_counter(), os.getloadavg()
-    profile, source = base_profile(profile_spec or str(DEFAULT_PROFILE), 1)
+    profile, source, profile_spec = suite_profile(profile_spec, out)
     sections: dict[str, Any] = {}
     for key, run in (("disk", lambda: run_disk(quick, workdir, profile)),
                      ("memcap", lambda: run_memcap(quick, workdir, profile_spec)),
@@ -299,7 +314,7 @@ def main(args: argparse.Namespace, argv: list[str]) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     exit_on_sigterm()
     out = args.out or DEFAULT_OUT.with_name(DEFAULT_OUT.name + ("_quick" if args.quick else ""))
-    report = run_suite(args.quick, args.workdir, getattr(args, "profile", None), argv)
+    report = run_suite(args.quick, args.workdir, getattr(args, "profile", None), argv, out)
     written = write_suite(report, out)
     print(suite_markdown(report))
     print(f"wrote {', '.join(map(str, written))} ({report['total_wall_s']:.0f} s)")

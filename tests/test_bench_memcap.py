@@ -118,3 +118,22 @@ def test_quantized_rows_are_read_against_llama_cpp_q8_0() -> None:
     from bench_planner import row_prediction
 
     assert row_prediction(None, None, {**ours, "policy": {"quantize": "int8"}}, 16, 16)["planner_tok_s"] is None
+
+
+def test_suite_profile_is_the_file_given_or_this_machine_measured_and_saved(tmp_path: Path, monkeypatch) -> None:
+    import bench_planner
+    import bench_suite
+
+    from hf_moe_offload.planning.profile import MachineProfile
+
+    given = SCRIPTS.parent / "benchmarks" / "results" / "profile_cpu_1thread_fast.json"
+    profile, source, spec = bench_suite.suite_profile(str(given), tmp_path / "suite")
+    assert profile == MachineProfile.load(given) and spec == str(given) and "profile_cpu_1thread_fast" in source
+    assert not (tmp_path / "suite.profile.json").exists()
+    measured = []
+    monkeypatch.setattr(bench_planner, "base_profile",
+                        lambda spec, threads: measured.append((spec, threads)) or (profile, "measured"))
+    _, source, spec = bench_suite.suite_profile(None, tmp_path / "suite")
+    assert measured == [("measure", 1)]                     # no file given: this machine, at one thread
+    assert spec == str(tmp_path / "suite.profile.json") and MachineProfile.load(spec) == profile
+    assert "measured at the start" in source and spec in source
