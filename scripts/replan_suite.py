@@ -69,15 +69,15 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
+def main_args(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("suite", type=Path, help="a suite JSON written by `python scripts/bench.py --suite cpu`")
     p.add_argument("--profile", required=True, help="a machine profile JSON (hf-moe-offload profile --out FILE)")
     p.add_argument("--out", type=Path, help="writes OUT.json and OUT.md")
-    args = p.parse_args()
+    args = p.parse_args(argv)
     suite = json.loads(args.suite.read_text())
     profile, source = base_profile(args.profile, 1)
-    result = {"command": " ".join(["python", "scripts/replan_suite.py", *sys.argv[1:]]), "suite": str(args.suite),
+    result = {"command": " ".join(["python", "scripts/replan_suite.py", *argv]), "suite": str(args.suite),
               "suite_profile": suite["profile"], "profile": source,
               "rows": compare(suite, replanned_rows(suite, profile))}
     text = markdown(result)
@@ -90,4 +90,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main_args(sys.argv[1:]))

@@ -137,3 +137,20 @@ def test_suite_profile_is_the_file_given_or_this_machine_measured_and_saved(tmp_
     assert measured == [("measure", 1)]                     # no file given: this machine, at one thread
     assert spec == str(tmp_path / "suite.profile.json") and MachineProfile.load(spec) == profile
     assert "measured at the start" in source and spec in source
+
+
+def test_replanning_the_stored_suite_predicts_the_in_ram_rows_within_a_third(tmp_path: Path) -> None:
+    """The planner with this machine's profile, packed kernel included, against the suite measured on it: nothing is
+    measured here, so the stored rows and profile stand in for a run."""
+    import replan_suite
+
+    results = SCRIPTS.parent / "benchmarks" / "results"
+    assert replan_suite.main_args([str(results / "cpu_suite_fast.json"), "--profile",
+                                   str(results / "profile_cpu_1thread_fast.json"), "--out", str(tmp_path / "r")]) == 0
+    rows = json.loads((tmp_path / "r.json").read_text())["rows"]
+    in_ram = {(r["system"], r["batch"]): r for r in rows if r["section"] == "kernels"}
+    for batch in (1, 8):
+        assert 0.67 < in_ram[("ours", batch)]["ratio"] < 1.33
+        assert in_ram[("ours", batch)]["stored_ratio"] < 0.5        # the first machine's profile, no packed curve
+        assert in_ram[("ours", batch)]["planner_tok_s"] > 1.5 * in_ram[("resident", batch)]["planner_tok_s"]
+    assert (tmp_path / "r.md").read_text().startswith("`python scripts/replan_suite.py")
