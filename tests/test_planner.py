@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from transformers import MixtralConfig
+from transformers import AutoModelForCausalLM, MixtralConfig
 
 from hf_moe_offload.cli import main
 from hf_moe_offload.demo import DEMO_MODEL
@@ -213,3 +213,18 @@ def test_auto_without_a_profile_keeps_the_rule_and_says_so(tmp_path, monkeypatch
     assert hf_moe_offload.get_engine(model).policy.stream_window == 2
     assert "plan" not in hf_moe_offload.stats(model)
     hf_moe_offload.disable(model)
+
+
+def test_shape_takes_the_stored_dtype_when_the_config_names_none(tmp_path):
+    """A config without a dtype: the planner sizes the model at its safetensors weights' dtype, not float32."""
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, vocab_size=128)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    for key in ("dtype", "torch_dtype"):
+        saved.pop(key, None)
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    shape = ModelShape.from_pretrained(str(tmp_path))
+    assert shape.dtype_bytes == 2
+    assert shape.expert_bytes == 3 * 64 * 128 * 2

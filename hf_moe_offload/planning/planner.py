@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +45,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..arch import get_arch
 from ..policy.offload_policy import DEFAULT_STREAM_WINDOW, PolicyError, format_bytes
 from ..runtime.pass_scheduler import expected_experts, is_wide_pass
+from ..storage.checkpoint import CheckpointIndex
 from .footprint import CUDA_HEADROOM_FLOOR, HOST_HEADROOM, Footprint, auto_store, footprint
 from .profile import MachineProfile
 
@@ -112,11 +114,26 @@ class ModelShape:
 
     @classmethod
     def from_pretrained(cls, path: str) -> "ModelShape":
-        """From a checkpoint's config (local folder or Hub id), at the dtype it is stored in."""
+        """From a checkpoint's config (local folder or Hub id), at the dtype it is stored in: the config's, else
+        that of the local folder's safetensors weights (most of their bytes), else float32."""
         config = AutoConfig.from_pretrained(path)
-        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or _stored_dtype(path)
         dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
-        return cls.from_config(config, dtype)
+        return cls.from_config(config, dtype or torch.float32)
+
+
+def _stored_dtype(path: str) -> torch.dtype | None:
+    """The dtype holding most bytes of a local folder's safetensors files; None without such files."""
+    if not os.path.isdir(path):
+        return None
+    try:
+        entries = CheckpointIndex.open(path).entries.values()
+    except (OSError, ValueError):
+        return None
+    by_dtype: dict[torch.dtype, int] = {}
+    for entry in entries:
+        by_dtype[entry.dtype] = by_dtype.get(entry.dtype, 0) + entry.nbytes
+    return max(by_dtype, key=by_dtype.get) if by_dtype else None
 
 
 @dataclass(frozen=True)
