@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.integrations.moe import ExpertsInterface
 
