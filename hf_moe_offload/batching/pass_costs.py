@@ -164,7 +164,7 @@ def _store_read_rate(store: Any) -> tuple[float, int]:
 
 def _host_copy_rate(store: Any) -> float:
     """Bytes per second of a host memory copy of expert slabs (how fast a pass can stream them from RAM)."""
-    slab = store.host_slab(0, 0) if store.in_host_memory else None
+    slab = store.host_slab(0, 0) if store.plain_in_memory else None
     if slab is None:
         slab = torch.empty(max(1, min(store.layouts[0].numel, SAMPLE_BYTES // store.dtype.itemsize)),
                            dtype=store.dtype)

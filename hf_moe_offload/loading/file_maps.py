@@ -1,5 +1,5 @@
-"""Checkpoint tensors read in place: a private memory map of a safetensors file, tensors that view it, and advice
-to the kernel about their pages. The input embedding table (`mapped_embedding`) and the model's own dense weights
+"""Checkpoint tensors read in place: a private memory map of a safetensors file, and tensors that view it (advice
+about their pages: `storage.pages`). The input embedding table (`mapped_embedding`) and the model's own dense weights
 (`mapped_dense`) are read this way; a file transformers would not map is not mapped here either
 (`file_mapping_refusal`).
 
@@ -12,8 +12,6 @@ mapped one, and its bytes, as they were.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import weakref
 from typing import Callable
@@ -30,8 +28,6 @@ except ImportError:     # a transformers without it maps everywhere, and so do w
     def _is_on_hf_mount(path) -> bool:
         return False
 
-MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
-MADV_DONTNEED = getattr(mmap, "MADV_DONTNEED", 4)
 
 
 def file_mapping_refusal(path: str, disable_mmap: bool) -> str | None:
@@ -123,13 +119,3 @@ class FileMaps:
             for handle in handles:
                 handle.remove()
         return remove
-
-
-def advise(address: int, length: int, advice: int) -> None:
-    """`madvise` over [address, address + length). Best effort: where madvise is missing the mapping works as it is,
-    only without the advice."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice)
-    except (OSError, AttributeError):
-        pass

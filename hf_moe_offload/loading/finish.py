@@ -8,8 +8,10 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
+from .._logging import progress
 from ..attention.cpu import check_cpu_attention, cpu_attention_enabled, restore_attention, use_cpu_attention
 from ..batching.config import install_batching_defaults
+from ..layout import SlabLayout
 from ..memory.cpu_kernels import DenseLinears, prepack_budget
 from ..memory.cpu_threads import apply_default_threads
 from ..planning.resolve import ResolvedPolicy
@@ -18,8 +20,10 @@ from ..prefetch.hash import HashPredictor, HashPrefetcher
 from ..runtime.engine import OffloadEngine
 from ..runtime.pass_scheduler import PassScheduler
 from ..storage.checkpoint import CheckpointIndex
+from ..storage.pages import release_pages
+from ..storage.store import CpuStore
 from .file_maps import FileMaps
-from .mapped_dense import map_dense_weights, release_pages
+from .mapped_dense import map_dense_weights
 
 
 def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: ResolvedPolicy,
@@ -80,7 +84,8 @@ def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine, index: Che
     the store's experts could be packed too and a CPU expert cache is filled. On the CPU device, torch's thread
     count leaves the cores other processes use (`memory.cpu_threads`). Each undone by `disable()`."""
     on_cpu = torch.device(engine.policy.device).type == "cpu"
-    experts = engine.store.total_bytes if engine.stats.prepacked else 0
+    copies_only = on_cpu and _keep_expert_copies_only(engine)
+    experts = engine.store.total_bytes if engine.stats.prepacked and not copies_only else 0
     # A CPU cache's slots are allocated but not yet written: their pages do not count as used until they are.
     cache = engine.stats.capacity_bytes if on_cpu else 0
     skip = tuple(layer.name for layer in engine.layers)
@@ -95,6 +100,25 @@ def _apply_cpu_kernels(model: PreTrainedModel, engine: OffloadEngine, index: Che
         restore = apply_default_threads()
         if restore is not None:
             engine.on_detach.append(restore)
+
+def _keep_expert_copies_only(engine: OffloadEngine) -> bool:
+    """A CPU store served in place keeps only its experts' packed copies: each layer's experts are packed now and
+    its slabs' pages handed back, so the copies are the experts' only memory (their plain bytes are read from the
+    checkpoint again for `state_dict()` and `disable()`). Only where every expert part computes through the packed
+    kernel (`F.linear`-shaped experts; not the `x @ W` families) and the store kept its checkpoint reader."""
+    store = engine.store
+    if not (isinstance(store, CpuStore) and store.reader is not None and getattr(engine.cache, "zero_copy", False)
+            and all(type(layout) is SlabLayout for layout in store.layouts)):
+        return False
+    registration = next((r for r in engine.stats.prepacked if r.owns(store.slabs[0])), None)
+    if registration is None:
+        return False
+    for layer in progress(range(len(store.slabs)), desc="Packing experts for the CPU kernels", unit="layer"):
+        slabs = store.slabs[layer]
+        weights = [w for e in range(slabs.shape[0]) for w in store.layouts[layer].views(slabs[e]).values()]
+        registration.pack_and_release(slabs, weights, lambda: store.release_plain(layer))
+    return True
+
 
 def load_predictor(policy: OffloadPolicy, model: nn.Module) -> HashPredictor | None:
     """The policy's hash predictor, its files and fingerprint checked against `model` (a skeleton will do)."""

@@ -182,7 +182,9 @@ def _build_store(policy: OffloadPolicy, layers: list[MoELayer], pieces: list[lis
                                 offload_folder, source_files=reader.files)
         reader.close()
         return store
-    return CpuStore.from_reader(reader, device=device) if policy.store == "cpu" else reader
+    # On the CPU the store keeps its reader: its experts may then keep only their packed copies (loading.finish).
+    return CpuStore.from_reader(reader, device=device, keep_reader=device.type == "cpu") if policy.store == "cpu" \
+        else reader
 
 
 def _attach(model: PreTrainedModel, arch: MoEArch, layers: list[MoELayer], store: ExpertStore,

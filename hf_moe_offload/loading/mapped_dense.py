@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 from ..storage.checkpoint import CheckpointIndex
-from .file_maps import MADV_DONTNEED, FileMaps, advise
+from ..storage.pages import release_pages
+from .file_maps import FileMaps
 
 logger = logging.getLogger(__name__)
 
@@ -54,18 +55,6 @@ def map_dense_weights(model: nn.Module, layers: dict[str, nn.Linear], index: Che
         module.weight = nn.Parameter(in_file, requires_grad=weight.requires_grad)
         mapped.append(module)
     return mapped
-
-
-def release_pages(weight: torch.Tensor) -> None:
-    """Hand back the pages of a mapped `weight` that lie wholly inside it (a neighbour's stay): the process drops
-    them and a later read faults them in from the file again. Best effort: where madvise is missing nothing
-    changes."""
-    start = weight.data_ptr()
-    end = start + weight.numel() * weight.element_size()
-    page = mmap.PAGESIZE
-    first, last = -(-start // page) * page, end // page * page
-    if last > first:
-        advise(first, last - first, MADV_DONTNEED)
 
 
 def _shared_parameters(model: nn.Module) -> set[int]:

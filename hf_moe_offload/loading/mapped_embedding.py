@@ -20,7 +20,8 @@ from torch import nn
 
 from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError
 from ..storage.checkpoint import CheckpointIndex, TensorEntry
-from .file_maps import MADV_RANDOM, FileMaps, advise, file_mapping_refusal
+from ..storage.pages import MADV_RANDOM, advise
+from .file_maps import FileMaps, file_mapping_refusal
 
 
 def plan_mapped_embedding(policy: OffloadPolicy, skeleton: nn.Module, index: CheckpointIndex | None,

@@ -112,6 +112,9 @@ class PrepackedWeights:
         self._packed: dict[tuple[int, int, int], tuple[torch.Tensor, int]] = {}   # key -> (copy, weight version)
         self._lock = threading.Lock()
         self._full_logged = False
+        # Tensors (by their place in the sorted spans) whose pages the owner handed back (`pack_and_release`):
+        # their bytes are gone, so a weight inside them computes through its copy or not at all.
+        self._released: set[int] = set()
         _set_active(add=self)
 
     @classmethod
@@ -126,9 +129,16 @@ class PrepackedWeights:
 
     def owns(self, weight: torch.Tensor) -> bool:
         """Whether `weight`'s bytes lie inside the registered tensors."""
+        return self._span(weight) is not None
+
+    def released(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` lies in a tensor whose pages were handed back (`pack_and_release`)."""
+        return bool(self._released) and self._span(weight) in self._released
+
+    def _span(self, weight: torch.Tensor) -> int | None:
         start = weight.data_ptr()
         i = bisect.bisect_right(self._starts, start) - 1
-        return i >= 0 and start + weight.numel() * weight.element_size() <= self._ends[i]
+        return i if i >= 0 and start + weight.numel() * weight.element_size() <= self._ends[i] else None
 
     def packed(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of `weight` (made now if it is new or was written since, and the budget allows), or
@@ -138,7 +148,8 @@ class PrepackedWeights:
         version = _version(weight)
         if found is not None and found[1] == version:
             return found[0]
-        if found is None and not self.owns(weight):
+        span = self._span(weight)
+        if span is None or span in self._released:      # not ours, or bytes handed back: never packed from them
             return None
         nbytes = weight.numel() * weight.element_size()
         with self._lock:
@@ -156,6 +167,24 @@ class PrepackedWeights:
             self.packed_bytes += nbytes
         return copy
 
+    def pack_and_release(self, tensor: torch.Tensor, weights: list[torch.Tensor],
+                         release: Callable[[], None]) -> None:
+        """Pack every one of `weights` (views inside the registered `tensor`) whatever the budget, then call
+        `release`, which hands `tensor`'s pages back: from then on the copies are these weights' only memory, and a
+        weight inside `tensor` without a current copy is refused (`linear`) rather than read."""
+        span = self._span(tensor)
+        if span is None or self._ends[span] - self._starts[span] != tensor.numel() * tensor.element_size():
+            raise ValueError("pack_and_release: the tensor is not one of the registered tensors")
+        with self._lock:
+            self.budget_bytes = max(self.budget_bytes, self.packed_bytes + sum(w.numel() * w.element_size()
+                                                                               for w in weights))
+        for weight in weights:
+            if self._span(weight) != span or self.packed(weight) is None:
+                raise RuntimeError(f"hf_moe_offload: a {tuple(weight.shape)} weight could not be packed for the CPU "
+                                   f"kernels; its bytes are kept")
+        self._released.add(span)
+        release()
+
     def copy_of(self, weight: torch.Tensor) -> torch.Tensor | None:
         """The packed copy of `weight` made already and still current, or None (never packs)."""
         found = self._packed.get(_key(weight))
@@ -167,6 +196,7 @@ class PrepackedWeights:
         with self._lock:
             self._packed.clear()
             self._tensors, self._starts, self._ends = [], [], []
+            self._released.clear()
             self.packed_bytes = 0
 
     def __enter__(self) -> "PrepackedWeights":
@@ -221,9 +251,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if weight.dtype != torch.bfloat16 or x.dtype != torch.bfloat16 or weight.device.type != "cpu" \
             or weight.dim() != 2 or not weight.is_contiguous() or x.numel() == 0 \
             or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):   # training: autograd's
+        _refuse_released(x, weight)
         return F.linear(x, weight)
     flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])                             # [T, K]
-    out = _COMPILED_GEMV(flat, weight) if flat.shape[0] == 1 else None                   # [1, N]
+    compiled = flat.shape[0] == 1 and _COMPILED_GEMV.fn is not None and _released_owner(weight) is None
+    out = _COMPILED_GEMV(flat, weight) if compiled else None                             # [1, N]
     if out is None:
         for ref in _ACTIVE:
             registration = ref()
@@ -232,8 +264,28 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
                 out = torch.ops.mkldnn._linear_pointwise(flat.contiguous(), packed, None, "none", [], "")  # [T, N]
                 break
         else:
+            _refuse_released(x, weight)
             return F.linear(x, weight)
     return out if x.dim() == 2 else out.view(*x.shape[:-1], weight.shape[0])
+
+
+def _released_owner(weight: torch.Tensor) -> PrepackedWeights | None:
+    """The registration whose tensor holding `weight` was handed back, if any."""
+    for ref in _ACTIVE:
+        registration = ref()
+        if registration is not None and registration.released(weight):
+            return registration
+    return None
+
+
+def _refuse_released(x: torch.Tensor, weight: torch.Tensor) -> None:
+    """Raise where `weight`'s bytes were handed back and its copy cannot serve `x`: reading it would give zeros."""
+    if weight.device.type == "cpu" and _released_owner(weight) is not None:
+        raise RuntimeError(f"hf_moe_offload: this expert weight {tuple(weight.shape)} is held only as its packed "
+                           f"CPU copy, which computes bfloat16 inputs without autograd; got a {x.dtype} input"
+                           f"{' that requires grad' if x.requires_grad and torch.is_grad_enabled() else ''}. Run "
+                           f"the model in bfloat16 under torch.no_grad(), or call hf_moe_offload.disable(model) to "
+                           f"get the experts back as parameters")
 
 
 class DenseLinears:

@@ -283,7 +283,7 @@ class OffloadEngine:
         for check in self.detach_checks:
             check()
         experts: list | None = None
-        if not self.store.in_host_memory:
+        if not self.store.plain_in_memory:       # read from files: every expert first, a read may fail
             with torch.inference_mode(False), self.cache.lock:
                 experts = [read_layer_experts(self.store, layer, torch.device("cpu")) for layer in self.layers]
         for hook in list(self.hooks):
@@ -328,7 +328,7 @@ def read_layer_experts(store: ExpertStore, layer: MoELayer, device: torch.device
     layout = store.layouts[layer.index]
     stacked = {name: torch.empty((layer.num_experts, *shape), dtype=store.compute_dtype, device=device)
                for name, shape in layer.layout.parts}
-    buf = None if store.in_host_memory else torch.empty(layout.numel, dtype=store.dtype)
+    buf = None if store.plain_in_memory else torch.empty(layout.numel, dtype=store.dtype)
     for e in range(layer.num_experts):
         if buf is None:
             slab = store.host_slab(layer.index, e)

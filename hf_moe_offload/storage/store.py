@@ -36,6 +36,7 @@ from .direct_io import AlignedBuffers, open_direct, pread_direct
 from .gguf_layout import GGUFSlabLayout
 from .integrity import ExpertChecksums, FileIdentity, check_identity
 from .packed_layout import PackedSlabLayout
+from .pages import release_pages
 from .quantize import QuantizedSlabLayout
 from .read_priority import DemandGate, Promotion, current_promotion, reading_speculatively
 
@@ -226,6 +227,12 @@ class ExpertStore:
     def in_host_memory(self) -> bool:
         """Whether every slab is in host memory (`host_slab`), rather than read on demand (`read_into`)."""
         return False
+
+    @property
+    def plain_in_memory(self) -> bool:
+        """Whether `host_slab` holds every expert's plain bytes to read. False where they are read with `read_into`:
+        a store on disk, or a CPU store whose experts compute from packed copies only (`CpuStore.release_plain`)."""
+        return self.in_host_memory
 
     @property
     def pinned_bytes(self) -> int:
@@ -497,11 +504,16 @@ class CpuStore(ExpertStore):
     """All experts in host memory, one [E, slab] tensor per layer (pinned for fast, asynchronous copies)."""
 
     def __init__(self, slabs: list[torch.Tensor], layouts: Sequence[SlabLayout], dtype: torch.dtype,
-                 memory: HostMemory | None = None, compute_dtype: torch.dtype | None = None):
-        """`memory`: the `HostMemory` the slabs come from, released by `close()` (None: ordinary tensors)."""
+                 memory: HostMemory | None = None, compute_dtype: torch.dtype | None = None,
+                 reader: "DiskStore | None" = None):
+        """`memory`: the `HostMemory` the slabs come from, released by `close()` (None: ordinary tensors);
+        `reader`: the checkpoint the slabs were read from, kept open so that their plain bytes can be handed back
+        (`release_plain`) and read from it again."""
         super().__init__(layouts, [s.shape[0] for s in slabs], dtype, compute_dtype)
         self.slabs = slabs
         self.memory = memory if memory is not None else HostMemory(None)
+        self.reader = reader
+        self._released: set[int] = set()       # layers whose slab pages were handed back
 
     @classmethod
     def allocate(cls, layouts: Sequence[SlabLayout], num_experts: Sequence[int], dtype: torch.dtype,
@@ -535,9 +547,10 @@ class CpuStore(ExpertStore):
         return store
 
     @classmethod
-    def from_reader(cls, reader: DiskStore, pin: bool | None = None, device: torch.device | None = None
-                    ) -> "CpuStore":
-        """Read every expert from the checkpoint into host memory (progress bar over layers)."""
+    def from_reader(cls, reader: DiskStore, pin: bool | None = None, device: torch.device | None = None,
+                    keep_reader: bool = False) -> "CpuStore":
+        """Read every expert from the checkpoint into host memory (progress bar over layers). `keep_reader`: the
+        store keeps `reader` open (closed with the store), to hand its slabs back later (`release_plain`)."""
         store = cls.allocate(reader.layouts, reader.num_experts, reader.dtype, pin, device, reader.compute_dtype)
         try:
             for layer in progress(range(len(store.slabs)), desc="Loading experts into host memory", unit="layer"):
@@ -545,8 +558,11 @@ class CpuStore(ExpertStore):
                     reader.read_into(layer, e, store.slabs[layer][e])
         except BaseException:
             store.close()
+            reader.close()
             raise
-        finally:
+        if keep_reader:
+            store.reader = reader
+        else:
             reader.close()
         return store
 
@@ -575,21 +591,40 @@ class CpuStore(ExpertStore):
     def host_slab(self, layer: int, expert: int) -> torch.Tensor:
         return self.slabs[layer][expert]
 
+    @property
+    def plain_in_memory(self) -> bool:
+        return not self._released
+
+    def release_plain(self, layer: int) -> None:
+        """Hand the pages of `layer`'s slabs back to the system: its experts compute from their packed copies only
+        (`memory.cpu_kernels`), and their plain bytes are read from the checkpoint again (`read_into`). The slabs'
+        addresses stay as the copies' keys; their bytes read as zeros."""
+        if self.reader is None:
+            raise RuntimeError("CpuStore.release_plain needs the checkpoint's reader (from_reader(keep_reader=True))")
+        self._released.add(layer)
+        release_pages(self.slabs[layer])
+
     def read_into(self, layer: int, expert: int, dst: torch.Tensor) -> None:
-        dst[:self.layouts[layer].numel].copy_(self.slabs[layer][expert])
+        if layer in self._released:
+            self.reader.read_into(layer, expert, dst)
+        else:
+            dst[:self.layouts[layer].numel].copy_(self.slabs[layer][expert])
 
     def release_layer(self, layer: int) -> None:
         self.memory.release(self.slabs[layer])
         self.slabs[layer] = self.slabs[layer].new_empty((0, self.slabs[layer].shape[1]))   # no view: freed
 
     def close(self) -> None:
-        """Unpin the slabs (they stay readable as ordinary memory: `disable()` reads them before closing)."""
+        """Unpin the slabs (they stay readable as ordinary memory: `disable()` reads them before closing); close the
+        kept reader."""
         self.memory.close()
+        if self.reader is not None:
+            self.reader.close()
 
 
 def dense_expert(store: ExpertStore, layer: int, expert: int) -> dict[str, torch.Tensor]:
     """One expert of a dense store as named views (read into a fresh buffer unless it is in host memory)."""
-    slab = store.host_slab(layer, expert)
+    slab = store.host_slab(layer, expert) if store.plain_in_memory else None
     if slab is None:
         slab = torch.empty(store.layouts[layer].numel, dtype=store.dtype)
         store.read_into(layer, expert, slab)
