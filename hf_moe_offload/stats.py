@@ -12,7 +12,8 @@
 - `embedding`: "mapped" when the input embedding table is read in place from the checkpoint's file (policy
   `embedding`), else "memory";
 - `prepacked_bytes`: host memory held by prepacked oneDNN copies of bfloat16 weights computed on the CPU (experts
-  and the model's own linear layers, `memory.cpu_kernels`);
+  and the model's own linear layers, `memory.cpu_kernels`); a CPU store served in place on the CPU holds its experts
+  only as these copies;
 - `dense_in_file_bytes`: the model's own linear weights left in the checkpoint's file, their packed copies (in
   `prepacked_bytes`) their only memory (`loading.mapped_dense`);
 - `prefetch_issued` / `_hits` / `_wasted`: speculative loads (a prefetcher's or the streaming read-ahead's), those

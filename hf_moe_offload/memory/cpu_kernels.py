@@ -10,10 +10,13 @@ budget taken from the memory available at registration, RAM or a container's lim
 `F.linear` as before. Registered memory (`PrepackedWeights`): a CPU store's slabs (`for_store`), which the store
 never writes after loading, and the model's own bias-free linear layers on the CPU (`DenseLinears`: attention
 projections, routers, the head; a layer whose weight is left in the checkpoint's file, `loading.mapped_dense`, is
-packed at once whatever the budget, its copy being the weight's only memory). A copy is remade if its weight was
-written in place since (the tensor's version counter). `state_dict()` reads the store's slabs and the parameters,
-never a packed copy; so does `disable()`, but for a weight left in the file, which it puts back in memory from its
-copy (the same bytes).
+packed at once whatever the budget, its copy being the weight's only memory). A CPU store served in place on the
+CPU goes further (`pack_and_release`, `loading.finish`): every expert is packed at load and the slabs' pages are
+handed back, so the copies are the experts' only memory; a weight there without a current copy is refused rather
+than read (its bytes would read as zeros). A copy is remade if its weight was written in place since (the tensor's
+version counter). `state_dict()` and `disable()` read the store (the checkpoint again, for slabs handed back) and
+the parameters, never a packed copy, but for a weight left in the file, which `disable()` puts back in memory from
+its copy (the same bytes).
 
 Opt-in, approximate (`HF_MOE_OFFLOAD_CPU_GEMV=1`): one-row products as a float32 reduction compiled by
 `torch.compile` (inductor's C++ backend, dynamic shapes: one compile for every weight shape), which reads the plain
