@@ -108,7 +108,8 @@ def _keep_expert_copies_only(engine: OffloadEngine) -> bool:
     kernel (`F.linear`-shaped experts; not the `x @ W` families) and the store kept its checkpoint reader."""
     store = engine.store
     if not (isinstance(store, CpuStore) and store.reader is not None and getattr(engine.cache, "zero_copy", False)
-            and all(type(layout) is SlabLayout for layout in store.layouts)):
+            and all(type(layout) is SlabLayout and all(len(shape) == 2 for _, shape in layout.parts)
+                    for layout in store.layouts)):
         return False
     registration = next((r for r in engine.stats.prepacked if r.owns(store.slabs[0])), None)
     if registration is None:
