@@ -1,12 +1,16 @@
 """Decode tok/s of every run, library A against B, per row: `python plot.py` writes ab.png beside the JSONs."""
 import glob
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+from ab_plot import scatter_ab  # noqa: E402
 
 here = Path(__file__).parent
 runs: dict[tuple, dict[str, list[float]]] = {}
@@ -18,11 +22,7 @@ for path in sorted(glob.glob(str(here / "memcap_*.json"))):
             runs.setdefault(key, {"A": [], "B": []})[tree].append(row["decode_tok_s"])
 keys = sorted(runs)
 fig, ax = plt.subplots(figsize=(11, 4.5))
-for i, key in enumerate(keys):
-    for offset, tree, color in ((-0.15, "A", "tab:gray"), (0.15, "B", "tab:blue")):
-        values = runs[key][tree]
-        ax.scatter([i + offset] * len(values), values, color=color, s=18, label=tree if i == 0 else None)
-ax.set_xticks(range(len(keys)), [f"{s}\n{int(c * 100)}% b{b}" for s, c, b in keys])
+scatter_ab(ax, {key: runs[key] for key in keys}, [f"{s}\n{int(c * 100)}% b{b}" for s, c, b in keys])
 ax.set_yscale("log")
 ax.set_ylabel("decode tok/s (every run)")
 ax.set_title("Own dense weights in memory (A, bbd902d) or left in the file (B, 3ecb846), under a memory cap")

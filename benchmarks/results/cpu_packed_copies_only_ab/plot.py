@@ -1,12 +1,16 @@
 """Peak RSS and decode tok/s of every run, library A against B: `python plot.py` writes ab.png beside the JSONs."""
 import glob
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+from ab_plot import scatter_ab  # noqa: E402
 
 here = Path(__file__).parent
 runs: dict[tuple, dict[str, list[tuple[float, float]]]] = {}
@@ -18,11 +22,8 @@ for path in sorted(glob.glob(str(here / "[EF]*.json"))):
                 (row["peak_rss_bytes"] / 2**30, row["decode_tok_s"]))
 fig, axes = plt.subplots(1, 2, figsize=(10, 4))
 for ax, index, label in ((axes[0], 0, "peak RSS (GiB)"), (axes[1], 1, "decode tok/s")):
-    for i, batch in enumerate(sorted(runs)):
-        for offset, tree, color in ((-0.15, "A", "tab:gray"), (0.15, "B", "tab:blue")):
-            values = [v[index] for v in runs[batch][tree]]
-            ax.scatter([i + offset] * len(values), values, color=color, s=20, label=tree if i == 0 else None)
-    ax.set_xticks(range(len(runs)), [f"batch {b}" for b in sorted(runs)])
+    scatter_ab(ax, {b: {tree: [v[index] for v in runs[b][tree]] for tree in "AB"} for b in sorted(runs)},
+               [f"batch {b}" for b in sorted(runs)], size=20)
     ax.set_ylabel(label)
     ax.set_ylim(bottom=0)
 axes[0].legend()

@@ -1,12 +1,16 @@
 """Decode tok/s of every run, library A against B, per setting: `python plot.py` writes ab.png beside the JSONs."""
 import glob
 import json
+import sys
 from pathlib import Path
 
 import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts"))
+from ab_plot import scatter_ab  # noqa: E402
 
 here = Path(__file__).parent
 runs: dict[tuple, dict[str, list[float]]] = {}
@@ -19,11 +23,7 @@ for path in sorted(glob.glob(str(here / "[AB]*.json"))):
                 runs.setdefault(key, {"A": [], "B": []})[tree].append(row["tok_s"])
 keys = sorted(runs)
 fig, ax = plt.subplots(figsize=(10, 4.5))
-for i, key in enumerate(keys):
-    for offset, tree, color in ((-0.15, "A", "tab:gray"), (0.15, "B", "tab:blue")):
-        values = runs[key][tree]
-        ax.scatter([i + offset] * len(values), values, color=color, s=18, label=tree if i == 0 else None)
-ax.set_xticks(range(len(keys)), [f"{s}\n{t} thr, b{b}" for t, b, s in keys])
+scatter_ab(ax, {key: runs[key] for key in keys}, [f"{s}\n{t} thr, b{b}" for t, b, s in keys])
 ax.set_ylabel("decode tok/s (every run)")
 ax.set_title("Every weight in RAM: A (846df90) against B (cfb59f5); llama.cpp measured beside each")
 ax.legend()
