@@ -274,11 +274,12 @@ class OffloadEngine:
     def detach(self) -> None:
         """Give the experts back to the model as parameters and remove everything attached.
 
-        `detach_checks` run first, then a store on disk is read into host memory: a failed check or read raises
-        here and leaves the model offloaded and working. A store in host memory cannot fail a read, so its experts
-        go back one layer at a time, each layer's host copy released once restored: host memory never holds a second
-        copy of every expert. Either way the cache is freed before the experts go back to the device, so the two
-        never coexist there.
+        `detach_checks` run first, then experts whose plain bytes are in files (a disk store, or a CPU store that
+        keeps only packed copies: `ExpertStore.plain_in_memory`) are read into host memory: a failed check or read
+        raises here and leaves the model offloaded and working. Slabs in host memory cannot fail a read, so their
+        experts go back one layer at a time, each layer's host copy released once restored: host memory never holds
+        a second copy of every expert. Either way the cache is freed before the experts go back to the device, so
+        the two never coexist there.
         """
         for check in self.detach_checks:
             check()
