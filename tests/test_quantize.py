@@ -86,6 +86,21 @@ def test_fast_kernels_equal_generic_path(method, dtype):
         torch.testing.assert_close(fast.float(), generic.float(), rtol=tol, atol=tol * 10)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [24, 36, 40, 100])
+def test_int8_computes_right_for_any_input_width(k, dtype):
+    """Widths torch's bfloat16 int8 kernel gets wrong (not a multiple of 16) still give the dequantized product."""
+    layout = QuantizedSlabLayout.build(SlabLayout(parts=(("up", (48, k)),)), "int8", 32, dtype)
+    slab = torch.empty(layout.numel, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(3)
+    layout.quantize_into({"up": torch.randn(48, k, generator=g)}, slab)
+    weight = layout.views(slab)["up"]
+    x = torch.randn(3, k, generator=g).to(dtype)
+    expected = x.float() @ weight.dequantize().float().T
+    tol = 1e-4 if dtype == torch.float32 else 5e-2
+    torch.testing.assert_close(weight.linear(x).float(), expected, rtol=tol, atol=tol * 10)
+
+
 # -- offloaded quantized models ------------------------------------------------------------------------------------
 
 def _dequantized_reference(family, path, model):

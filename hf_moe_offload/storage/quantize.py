@@ -217,7 +217,7 @@ class QuantizedWeight:
         x = x.to(self.dtype)
         if self.device.type == "cpu" and fast_kernels_enabled():
             flat = x.reshape(-1, x.shape[-1]).contiguous()                              # [T, K]
-            if p.method == "int8":
+            if p.method == "int8" and int8_kernel_applies(self.dtype, p.shape[1]):
                 out = torch._weight_int8pack_mm(flat, self.data, self.scales)           # [T, N]
                 return out.view(*x.shape[:-1], p.shape[0])
             if p.packing == "cpu":
@@ -261,6 +261,12 @@ class QuantizedWeight:
 # -- the arithmetic -------------------------------------------------------------------------------------------------
 
 INT4_CHUNK_ELEMENTS = 1 << 24     # int4 weights dequantized on a device this many entries at a time (64 MiB fp32)
+
+
+def int8_kernel_applies(dtype: torch.dtype, in_features: int) -> bool:
+    """Whether torch's CPU int8 kernel computes `x @ W.T` right for this input width: in bfloat16 it reads rows in
+    blocks of 16 and gives wrong values (or crashes) for a width that is not a multiple of 16."""
+    return dtype != torch.bfloat16 or in_features % 16 == 0
 
 
 def _int4_chunk_rows(p: QuantizedPart) -> int:
