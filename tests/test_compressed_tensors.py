@@ -123,3 +123,32 @@ def test_schemes_not_read_are_refused_naming_them(tmp_path, edit, named):
     with pytest.raises(PolicyError, match=f"quant_method='compressed-tensors' with .*{named}.*compressed-tensors "
                                           f"pack-quantized int4/int8 weight-only"):
         _offloaded(path, store="disk")
+
+
+def test_int8_zero_points_one_per_row_are_read_and_packed_shapes_refused(tmp_path):
+    """An asymmetric layer may keep its zero points unpacked, one int8 per output row and group: the index accepts
+    them and the weights subtract them; int8 zero points in the packed shape are refused when the index opens."""
+    from hf_moe_offload.storage.checkpoint import CheckpointError
+    from hf_moe_offload.storage.folders import write_safetensors
+    from hf_moe_offload.storage.packed_checkpoint import PackedCheckpointIndex
+
+    out_f, in_f, group = 16, 64, 32
+    g = torch.Generator().manual_seed(0)
+    zero_points = torch.randint(-8, 8, (out_f, in_f // group), dtype=torch.int8, generator=g)
+    tensors = {"m.weight_packed": torch.randint(-2**31, 2**31 - 1, (out_f, in_f // 8), dtype=torch.int32, generator=g),
+               "m.weight_scale": torch.rand(out_f, in_f // group, generator=g),
+               "m.weight_zero_point": zero_points, "m.weight_shape": torch.tensor([out_f, in_f])}
+    write_safetensors(str(tmp_path), "model.safetensors", tensors, 0)
+    asymmetric = PackedFormat("compressed-tensors", 4, group, symmetric=False)
+    assert "m" in PackedCheckpointIndex.open(tmp_path, asymmetric).packed
+    parts = {k[2:]: v for k, v in tensors.items()}
+    without = {k: v for k, v in parts.items() if k != "weight_zero_point"}
+    shift = (zero_points.float() * parts["weight_scale"]).repeat_interleave(group, dim=1)
+    torch.testing.assert_close(dequantize(asymmetric, parts, (out_f, in_f)),
+                               dequantize(PackedFormat("compressed-tensors", 4, group, symmetric=True), without,
+                                          (out_f, in_f)) - shift)
+
+    tensors["m.weight_zero_point"] = zero_points[: out_f // 8]
+    write_safetensors(str(tmp_path), "model.safetensors", tensors, 0)
+    with pytest.raises(CheckpointError, match=r"m\.weight_zero_point .* torch\.int8 \[2, 2\].*\[16, 2\]"):
+        PackedCheckpointIndex.open(tmp_path, asymmetric)

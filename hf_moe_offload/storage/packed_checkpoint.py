@@ -51,8 +51,9 @@ class PackedCheckpointIndex(CheckpointIndex):
         self.packed = packed
 
     @classmethod
-    def open(cls, root: str | os.PathLike, fmt: PackedFormat) -> "PackedCheckpointIndex":   # type: ignore[override]
-        plain = CheckpointIndex.open(root)
+    def open(cls, root: str | os.PathLike, fmt: PackedFormat,   # type: ignore[override]
+             variant: str | None = None) -> "PackedCheckpointIndex":
+        plain = CheckpointIndex.open(root, variant=variant)
         entries = dict(plain.entries)
         suffix = "." + _CODE_SUFFIX[fmt.method]
         modules = [key.removesuffix(suffix) for key in plain.entries if key.endswith(suffix)]
@@ -100,6 +101,9 @@ def _packed_source(index: CheckpointIndex, module: str, fmt: PackedFormat, width
     if width is not None:
         dense = (dense[0], width)
     want = fmt.tensor_shapes(*dense)
+    zero_points = entries.get("weight_zero_point")
+    if zero_points is not None and zero_points.dtype == torch.int8:     # one int8 per output row, not packed
+        want["weight_zero_point"] = (dense[0], want["weight_scale"][1])
     for name, entry in entries.items():
         dtypes = _INT_TENSORS.get(name, SCALE_DTYPES)
         if entry.dtype not in dtypes or tuple(entry.shape) != want[name]:

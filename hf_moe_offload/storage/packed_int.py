@@ -8,7 +8,7 @@ Per linear layer of `out` x `in` weights (`pack` = 32 / bits values per int32 wo
 |---|---|---|---|---|
 | GPTQ | `qweight` [in / pack, out], packed along in | `qzeros` [G, out / pack] (v1: stored minus 1) | `scales` [G, out] | `g_idx[k]` (act-order), else k // group |
 | AWQ (GEMM) | `qweight` [in, out / pack], packed along out, word order 0 2 4 6 1 3 5 7 | `qzeros` [G, out / pack], same order | `scales` [G, out] | k // group |
-| compressed-tensors | `weight_packed` [out, in / pack], codes + 2^(bits-1) | `weight_zero_point` [out / pack, G] packed along out (asymmetric only) | `weight_scale` [out, G] | k // group |
+| compressed-tensors | `weight_packed` [out, in / pack], codes + 2^(bits-1) | `weight_zero_point` int32 [out / pack, G] packed along out, or int8 [out, G] (asymmetric only) | `weight_scale` [out, G] | k // group |
 
 Every format dequantizes as `(q - z) * s` in the scales' dtype, one rounding (q and z are small integers, exact in any
 float dtype). `dequantize` computes the exact product in float32 and rounds once to the scales' dtype, which gives the
