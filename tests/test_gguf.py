@@ -229,7 +229,14 @@ def test_the_server_loads_a_gguf_file_offloaded(folder, reference):
     from hf_moe_offload import OffloadPolicy
     from hf_moe_offload.serving.manager import OffloadModelManager
 
+    from hf_moe_offload.integrations.cli_support import UsageError
+    from hf_moe_offload.serving.cli import check_served_model
+
+    check_served_model(f"{folder}:tiny-Q8_0.gguf")            # the command line's MODEL check takes the form
+    with pytest.raises(UsageError, match="no GGUF file 'missing.gguf'"):
+        check_served_model(f"{folder}:missing.gguf")
     manager = OffloadModelManager(device="cpu", policy=OffloadPolicy(**POLICY))
     model = manager._load_model(folder, gguf_file="tiny-Q8_0.gguf")
     assert hf_moe_offload.get_engine(model) is not None
     assert torch.equal(_generate(model), _generate(reference("tiny-Q8_0.gguf")))
+    assert set(manager.batching) == {f"{folder}:tiny-Q8_0.gguf"}  # the key of transformers' loaded_models

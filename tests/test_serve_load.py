@@ -116,6 +116,7 @@ def test_the_cb_flags_are_the_live_managers_sizes(server):
         pytest.skip("--cb-* flags need --continuous-batching")
     config = server.batching()["config"]
     assert (config["num_blocks"], config["page_size"]) == (12, 64), config
+    assert isinstance(config["safety_margin"], float), config     # left unset: the scheduler's own value
 
 
 def test_a_client_that_disconnects_mid_stream_frees_its_request_and_stalls_nobody(server, client, expected):
@@ -168,6 +169,31 @@ def test_a_failed_expert_read_fails_that_request_and_the_server_goes_on(server, 
     _assert_idle(server)
     if server.continuous_batching:
         assert server.batching()["failed_passes"] >= 1
+
+
+def test_a_request_longer_than_the_kv_cache_fails_alone_and_the_server_goes_on(tmp_path, reference):
+    """`--max-seq-len 64` sizes a KV cache of one 256-token block: a prompt of about 300 tokens can never be
+    scheduled. It gets an error naming the sizes; the loop stays alive and the next request gets its answer."""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    server = start_server(served_model_copy(tmp_path), tmp, "--continuous-batching", "--max-seq-len", "64")
+    try:
+        client = openai.OpenAI(base_url=server.base + "/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S,
+                               max_retries=0)
+        words = " ".join(PROMPTS).split()
+        too_long = " ".join((words * 4)[:300])
+        assert len(reference.tokenizer(too_long)["input_ids"]) > 256
+        with pytest.raises(openai.InternalServerError, match="needs more KV cache than the server has"):
+            client.completions.create(model=server.model, prompt=too_long, max_tokens=NEW_TOKENS, temperature=0)
+        answer = client.completions.create(model=server.model, prompt=PROMPTS[3], max_tokens=NEW_TOKENS,
+                                           temperature=0)
+        assert answer.choices[0].text == reference.completion(PROMPTS[3])
+        with urllib.request.urlopen(server.base + "/health", timeout=10) as health:
+            assert health.status == 200
+        state = server.batching()
+        assert state["alive"] and _held(state) == (0, 0, 0, 0), state
+    finally:
+        server.stop()
 
 
 def test_zz_sigterm_lets_the_answer_in_flight_finish_then_exits_cleanly(server, client, reference):

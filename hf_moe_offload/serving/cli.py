@@ -8,6 +8,7 @@ import logging
 from typing import Any
 
 from transformers.cli.serve import Serve
+from transformers.cli.serving.utils import split_model_id
 from transformers.utils.import_utils import is_serve_available
 
 from ..integrations.cli_support import UsageError, check_model, model_config
@@ -35,10 +36,18 @@ def cb_overrides(args: argparse.Namespace) -> dict[str, Any]:
     return {field: getattr(args, flag) for flag, field in CB_FLAGS.items() if getattr(args, flag) is not None}
 
 
+def check_served_model(model: str) -> None:
+    """`UsageError` unless `model` (a folder, a Hub id, or transformers serve's `MODEL:file.gguf`) is a causal LM
+    the server can offload."""
+    name, gguf_file = split_model_id(model)
+    check_model(model_config(name, flag="MODEL", gguf_file=gguf_file), model, command="serve", causal=True,
+                flag="MODEL")
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve `args.model` until SIGINT / SIGTERM; returns the exit status."""
     policy = policy_from_args(args)
-    check_model(model_config(args.model, flag="MODEL"), args.model, command="serve", causal=True, flag="MODEL")
+    check_served_model(args.model)
     overrides = cb_overrides(args)
     if overrides and not args.continuous_batching:
         raise UsageError(f"--cb-* flags ({', '.join(sorted(overrides))}) need --continuous-batching")

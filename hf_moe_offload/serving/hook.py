@@ -26,6 +26,7 @@ from transformers.generation.continuous_batching import continuous_api
 
 from ..policy.offload_policy import OffloadPolicy
 from .manager import OffloadModelManager, stats_payload
+from .served_batching import NO_ROOM
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +35,10 @@ STATS_ROUTE = "/v1/offload/stats"
 CALL_TIME_IMPORTS = ("from .serving.model_manager import ModelManager", "from .serving.server import build_server")
 LOAD_MODEL_PARAMS = ("self", "model_id_and_revision", "tqdm_class", "progress_callback", "gguf_file")
 # What `served_batching` calls or patches on transformers' continuous-batching classes.
-CB_MEMBERS = {"ContinuousBatchingManager": ("_generation_loop_body", "_generation_step", "cancel_request", "is_running"),
-              "ContinuousBatchProcessor": ("handle_batch_error",), "PagedAttentionCache": ("compute_free_capacity",)}
+CB_MEMBERS = {"ContinuousBatchingManager": ("_generation_loop_body", "_generation_step", "cancel_request",
+                                              "is_running"),
+              "ContinuousBatchProcessor": ("handle_batch_error", "_handle_request_error", "prepare_next_batch"),
+              "PagedAttentionCache": ("compute_free_capacity",)}
 # Errors a failed request raises through the route (a CB worker's death keeps transformers' own 503 handler).
 FAILED_REQUEST_ERRORS = (RuntimeError, OSError, ValueError)
 
@@ -64,6 +67,9 @@ def check_transformers() -> None:
     if "self.output_router.result_handlers" not in inspect.getsource(
             continuous_api.ContinuousBatchingManager.register_result_handler):
         problems.append("ContinuousBatchingManager keeps no `output_router.result_handlers`")
+    if hasattr(continuous_api, "ContinuousBatchProcessor") and NO_ROOM not in inspect.getsource(
+            continuous_api.ContinuousBatchProcessor.prepare_next_batch):
+        problems.append("a request too long for the KV cache no longer raises the error `served_batching` handles")
     if problems:
         raise TransformersServeChanged("transformers serve changed; hf-moe-offload serve needs updating: "
                                        + "; ".join(problems))

@@ -34,7 +34,7 @@ class OffloadModelManager(ModelManager):
                  **kwargs: Any):
         self.policy = policy
         self.cb_overrides = dict(cb_overrides or {})
-        self.batching: dict[str, ServedBatching] = {}   # by model_id@revision, as `loaded_models`
+        self.batching: dict[str, ServedBatching] = {}   # by model_id@revision[:file.gguf], as `loaded_models`
         super().__init__(*args, **kwargs)   # last: with force_model it loads the model right away
 
     def _load_model(self, model_id_and_revision: str, tqdm_class: type | None = None,
@@ -55,7 +55,9 @@ class OffloadModelManager(ModelManager):
         model.eval()
         # generate_batch without a config of its own (the server passes none) starts from the --cb-* fields.
         get_engine(model).batching_overrides = dict(self.cb_overrides)
-        self.batching[model_id_and_revision] = ServedBatching.attach(model)
+        # the key transformers' loaded_models uses
+        key = model_id_and_revision if gguf_file is None else f"{model_id_and_revision}:{gguf_file}"
+        self.batching[key] = ServedBatching.attach(model)
         logger.debug("loaded %s offloaded with policy %s", model_id, self.policy.to_dict())
         return model
 

@@ -5,8 +5,10 @@ transformers' continuous-batching loop treats any exception of a forward pass as
 worker stops, and the server answers 503 until it is restarted. For an offloaded model, a pass can fail because an
 expert read did (a disk error, a checkpoint file changed since it was indexed); the next pass may well succeed.
 `ServedBatching` makes the manager the served model creates fail only the requests of that pass (transformers'
-own `handle_batch_error`: their outputs carry the error, their KV blocks are freed) and go on. Any other
-exception stays fatal, as in transformers.
+own `handle_batch_error`: their outputs carry the error, their KV blocks are freed) and go on. A request that
+outgrows the whole KV cache (its prompt and tokens so far need more blocks than the cache has, so nothing can be
+scheduled) fails alone with an error naming the sizes, and the others go on. Any other exception stays fatal, as in
+transformers.
 
 A streaming client that disconnects cancels its request; transformers frees its KV blocks but keeps the callback
 registered for its outputs, which nothing removes. `ServedBatching` drops it once the loop has taken the
@@ -39,6 +41,8 @@ logger = logging.getLogger(__name__)
 
 # What a failed expert read raises: the OS's error, a shard shorter than indexed, a file changed since it was indexed.
 READ_ERRORS = (OSError, CheckpointError, IntegrityError)
+# What transformers' scheduler raises when no request fits the KV cache and none can be moved out of it
+NO_ROOM = "No requests can be scheduled and no requests can be offloaded."
 # The ContinuousBatchingConfig fields the snapshot reports (set by the --cb-* flags or sized for offloading).
 REPORTED_CONFIG = ("num_blocks", "max_batch_tokens", "page_size", "scheduler_type", "safety_margin")
 
@@ -114,6 +118,10 @@ class ServedBatching:
                              "the error, the others go on", error, exc_info=logger.isEnabledFor(logging.DEBUG))
                 batch_processor.handle_batch_error(error)
                 return True
+            except RuntimeError as error:
+                if str(error) != NO_ROOM or not _fail_longest_request(batch_processor):
+                    raise
+                return True
             finally:
                 self._forget(taken_in)
 
@@ -153,7 +161,15 @@ class ServedBatching:
                 "kv_cache_free": round(float(processor.cache.compute_free_capacity()), 4),
                 "result_handlers": len(manager.output_router.result_handlers),
                 "failed_passes": self.failed_passes, "alive": manager.is_running() and fatal is None,
-                "config": {name: getattr(config, name) for name in REPORTED_CONFIG}}
+                "config": _live_config(config, scheduler)}
+
+
+def _live_config(config: Any, scheduler: Any) -> dict[str, Any]:
+    """The config fields the loop runs with: a field the config left unset (None) as the scheduler resolved it."""
+    fields = {name: getattr(config, name) for name in REPORTED_CONFIG}
+    if fields["safety_margin"] is None:
+        fields["safety_margin"] = getattr(scheduler, "safety_margin", None)
+    return fields
 
 
 def _blocks_held(cache: Any) -> int | None:
@@ -163,3 +179,28 @@ def _blocks_held(cache: Any) -> int | None:
     if any(not isinstance(table, dict) for table in tables):
         return None
     return sum(len(blocks) for table in tables for blocks in list(table.values()))
+
+
+def _fail_longest_request(processor: Any) -> bool:
+    """Fail the longest request, running or waiting, when no request fits the KV cache: the one that outgrew it
+    (alone, it still would not fit). False when there is none to fail."""
+    scheduler = processor.scheduler
+    states = list(scheduler.active_requests.values()) + list(scheduler.waiting_requests.values())
+    if not states:
+        return False
+    state = max(states, key=lambda s: len(s.initial_tokens) + len(s.generated_tokens))
+    cache = processor.cache
+    capacity = cache.max_tokens_read           # the most tokens one request can hold
+    error = RuntimeError(
+        f"request {state.request_id} needs more KV cache than the server has ({len(state.initial_tokens)} prompt "
+        f"tokens, {len(state.generated_tokens)} generated, of {capacity} tokens in {cache.num_blocks} blocks); "
+        f"serve with a larger --max-seq-len or --max-batch-size, or --cb-num-blocks, or ask for fewer max_tokens")
+    logger.error("hf_moe_offload serve: %s", error)
+    if state.request_id in scheduler.waiting_requests:
+        scheduler.waiting_requests.pop(state.request_id)
+        if state.request_id in scheduler.waiting_requests_order:
+            scheduler.waiting_requests_order.remove(state.request_id)
+        processor.offloading_manager.free_request_cpu_cache(state)
+    processor._handle_request_error(error, state)
+    scheduler.finish_request(state.request_id)
+    return True
