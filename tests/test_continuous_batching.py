@@ -206,6 +206,15 @@ def test_user_values_win(tiny_models):
     assert offload_batching_config(model, page_size=16).max_batch_tokens != 7   # base is not mutated or shared
 
 
+def test_a_share_of_memory_given_leaves_the_kv_cache_to_transformers(tiny_models, references):
+    """`max_memory_percent` (a server's `--cb-max-memory-percent`) sizes the KV cache as transformers does it."""
+    model = offloaded("qwen3_moe", tiny_models["qwen3_moe"], **POLICIES["disk-small-cache"], max_seq_len=48)
+    assert offload_batching_config(model, page_size=16).num_blocks is not None
+    cb = offload_batching_config(model, page_size=16, max_memory_percent=0.01)
+    assert cb.num_blocks is None and cb.max_memory_percent == 0.01
+    assert _generate_batch(model, _prompts(), cb) == references["qwen3_moe"][1]
+
+
 def test_sized_config_runs_generate_batch(tiny_models, references):
     model = offloaded("qwen3_moe", tiny_models["qwen3_moe"], **POLICIES["disk-small-cache"], max_seq_len=48)
     cb = offload_batching_config(model, page_size=16)

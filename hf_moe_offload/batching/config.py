@@ -212,7 +212,8 @@ def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | N
     """A `ContinuousBatchingConfig` for `model.generate_batch` / `init_continuous_batching` on an offloaded model:
     `base` (or the defaults) with `overrides` applied, then `max_batch_tokens` and `num_blocks` filled by
     `token_budget` and `use_cuda_graph` set to False (offloaded experts cannot be captured in a CUDA graph) where
-    still unset. Values set in `base` or `overrides` win. The choice is logged.
+    still unset. Values set in `base` or `overrides` win; a `max_memory_percent` given leaves `num_blocks` to
+    transformers, which sizes the KV cache from that share of the memory free. The choice is logged.
     `pass_costs`: R and α to use instead of measuring them (`pass_costs.measure_pass_costs`, a fraction of a second
     plus a few expert reads when the model has not read enough yet); nothing is measured when `max_batch_tokens`
     is given. `workload`: transformers' `WorkloadHints` (what `generate_batch` passes), bounding the KV cache.
@@ -228,7 +229,8 @@ def offload_batching_config(model: nn.Module, base: ContinuousBatchingConfig | N
     chosen = {}
     if config.max_batch_tokens is None:
         chosen["max_batch_tokens"] = budget.max_batch_tokens
-    if config.num_blocks is None:
+    if config.num_blocks is None and config.max_memory_percent is None:
+        # (a share of memory given: transformers sizes the KV cache from it, as it would without offloading)
         chosen["num_blocks"] = budget.num_blocks
     if config.safety_margin is None and budget.holds_every_request and "num_blocks" in chosen:
         # transformers stops admitting prompts while fewer than 15% of the blocks are free, so that running
