@@ -235,6 +235,11 @@ def test_cli_defaults_to_our_model_takes_hf_with_offload_args_and_adds_the_tasks
     ns = argparse.Namespace(command="run", model=None, model_args={}, include_path=None)
     _adjust(ns, MODEL_NAME)
     assert ns.model == MODEL_NAME
+    for hf_key in ("offload_folder", "offload_buffers", "offload_state_dict"):   # transformers' own keywords
+        ns = argparse.Namespace(command="run", model="hf", model_args={"pretrained": "p", hf_key: True},
+                                include_path=None)
+        _adjust(ns, MODEL_NAME)
+        assert ns.model == "hf", hf_key
 
 
 def test_shipped_tasks_load_from_any_working_directory(tmp_path, monkeypatch):

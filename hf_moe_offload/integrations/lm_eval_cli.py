@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 from .._logging import configure_cli_logging
 from . import quiet_custom_dataset_hint, tasks_dir
 from .cli_support import LOG_LEVELS, USER_ERRORS, check_model, given_flags, model_config, one_line
-from .policy_args import POLICY_KEY, PREFIX, accepted_keys
+from .policy_args import FOREIGN_PREFIXED, POLICY_KEY, PREFIX, accepted_keys
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def _adjust(args, model_name: str) -> None:
     if getattr(args, "command", None) == "run":
         model_args = args.model_args if isinstance(args.model_args, dict) else {}
         offload_keys = sorted(k for k in model_args if k == POLICY_KEY or (k.startswith(PREFIX)
-                                                                           and k != "offload_folder"))
+                                                                           and k not in FOREIGN_PREFIXED))
         if args.model is None:
             args.model = model_name
         elif args.model in HF_NAMES and offload_keys:
