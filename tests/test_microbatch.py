@@ -77,6 +77,7 @@ def test_a_micro_batched_pass_reads_each_expert_once_and_counts_as_one_pass(tiny
     _generate(model, ids, mask, new_tokens=5)
     snap = hf_moe_offload.stats(model)
     assert sum(snap["passes"].values()) == 5
+    assert snap["forward_calls"] == 5
     assert snap["repeat_reads"] == 0
     assert evicted_while_held == []
     assert cache.held == 0                        # every pin given back once the layer's last slice is done

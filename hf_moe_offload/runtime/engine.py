@@ -90,7 +90,8 @@ class LayerRuntime:
         """Count the layer's forward and tell the hooks its input and route; the `on_pinned` callback to give the
         cache (None without hooks)."""
         index, hooks = self.layer.index, self.engine.hooks
-        self.engine.stats.record_forward(index, experts)
+        micro_batch = microbatch.current()
+        self.engine.stats.record_forward(index, experts, new_pass=micro_batch is None or micro_batch.index == 0)
         if hidden_states is not None:
             for hook in hooks:
                 hook.before_experts(index, hidden_states)
