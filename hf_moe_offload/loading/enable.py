@@ -56,11 +56,19 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
     device = torch.device(resolved.policy.device)
     store, own_folder = _store_of_built_model(resolved.policy, arch, layers, dtype, offload_folder)
     moved_from = None
-    if resident_device != device:
-        move_resident_part(model, layers, device)
-        moved_from = resident_device
-    engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes,
-                                  restore_device=experts_device, moved_resident_from=moved_from)
+    try:
+        if resident_device != device:
+            move_resident_part(model, layers, device)
+            moved_from = resident_device
+        engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes,
+                                      restore_device=experts_device, moved_resident_from=moved_from)
+    except BaseException:           # attach gave the experts back; the rest goes back too, nothing is left behind
+        store.close()
+        if own_folder is not None:
+            remove_folder(own_folder)
+        if moved_from is not None:
+            move_resident_part(model, layers, moved_from)
+        raise
     if own_folder is not None:
         # The store's files go with the engine: on disable(), or at exit for a model never disabled.
         engine.on_detach.append(weakref.finalize(engine, remove_folder, own_folder))

@@ -35,16 +35,20 @@ def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: R
     which may hold the input embedding table already); the files mapped are checked before every forward and
     `state_dict()` until `disable()`."""
     engine.plan = resolved.plan
-    if resolved.widen_stream_window:
-        for hook in engine.hooks:
-            if isinstance(hook, PassScheduler):
-                hook.widen_stream_window()
-    if predictor is not None:
-        engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
-    _apply_attention(model, engine)
-    _apply_batching(model, engine)
-    maps = FileMaps() if maps is None else maps
-    _apply_cpu_kernels(model, engine, index, maps)
+    try:
+        if resolved.widen_stream_window:
+            for hook in engine.hooks:
+                if isinstance(hook, PassScheduler):
+                    hook.widen_stream_window()
+        if predictor is not None:
+            engine.attach_prefetcher(HashPrefetcher(engine, predictor, routing=engine.policy.routing))
+        _apply_attention(model, engine)
+        _apply_batching(model, engine)
+        maps = FileMaps() if maps is None else maps
+        _apply_cpu_kernels(model, engine, index, maps)
+    except BaseException:
+        engine.detach()                   # a model that cannot be finished is left as it was before
+        raise
     if maps.mapped:
         engine.on_detach.append(maps.guard(model))
         engine.detach_checks.append(maps.check)      # disable() reads the mapped embedding table back
@@ -62,11 +66,7 @@ def _apply_attention(model: PreTrainedModel, engine: OffloadEngine) -> None:
         return
     if cpu_attention_enabled(model):      # the user turned it on already: theirs to undo
         return
-    try:
-        use_cpu_attention(model)
-    except BaseException:
-        engine.detach()                   # a refused model is left as it was before
-        raise
+    use_cpu_attention(model)
     engine.on_detach.append(lambda: restore_attention(model))
 
 def _apply_batching(model: PreTrainedModel, engine: OffloadEngine) -> None:

@@ -24,7 +24,7 @@ import resource
 import threading
 import weakref
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from typing import Callable, Sequence
 
 import torch
@@ -415,8 +415,7 @@ class DiskStore(ExpertStore):
                 read, rng, buf = chunks[0]
                 read(rng, buf)
         finally:
-            for future in futures:
-                future.result()              # re-raises a failed chunk's error
+            _wait_all(futures)
 
     def _read_yielding(self, chunks: list, promotion: Promotion) -> list:
         """Read `chunks` on the chunk readers, up to `CHUNK_READERS` in flight, each started once no demand read is
@@ -432,8 +431,7 @@ class DiskStore(ExpertStore):
                 in_flight.append(self._chunk_readers().submit(read, rng, buf))
             return []
         finally:
-            for future in in_flight:
-                future.result()              # re-raises a failed chunk's error
+            _wait_all(in_flight)
 
     def _chunk_readers(self) -> ThreadPoolExecutor:
         if self._chunk_pool is None:
@@ -629,3 +627,12 @@ def dense_expert(store: ExpertStore, layer: int, expert: int) -> dict[str, torch
         slab = torch.empty(store.layouts[layer].numel, dtype=store.dtype)
         store.read_into(layer, expert, slab)
     return store.layouts[layer].views(slab)
+
+
+def _wait_all(futures) -> None:
+    """Wait for every chunk read, then re-raise the first failure: a read still running after its expert's load
+    failed would write into a slot the cache has already given to another expert."""
+    futures = list(futures)
+    wait(futures)
+    for future in futures:
+        future.result()
