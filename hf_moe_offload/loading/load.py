@@ -87,7 +87,9 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     arch = get_arch(config)
     _warn_if_experts_implementation_requested(kwargs.get("experts_implementation")
                                               or getattr(config, "_experts_implementation", None))
-    index = PackedCheckpointIndex.open(root, packed) if packed else CheckpointIndex.open(root, block_size=block_size)
+    variant = kwargs.get("variant")
+    index = (PackedCheckpointIndex.open(root, packed, variant=variant) if packed
+             else CheckpointIndex.open(root, block_size=block_size, variant=variant))
 
     skeleton = _meta_skeleton(model_cls, config, kwargs)
     check_attention(policy, skeleton)
@@ -233,19 +235,25 @@ def _meta_skeleton(model_cls: type, config, kwargs: dict) -> nn.Module:
         return model_cls(config)
 
 def _requested_dtype(kwargs: dict, pieces, config=None) -> torch.dtype:
-    """The dtype the experts will have: the one asked for, else the checkpoint's (transformers' "auto"); FP8 and
-    packed (GPTQ, AWQ, compressed-tensors) experts compute in the config's dtype (bfloat16 when it names none)."""
+    """The dtype the experts will have, chosen as transformers chooses the model's: the one asked for, else (its
+    "auto") the config's `dtype`, else the checkpoint's. FP8 and packed (GPTQ, AWQ, compressed-tensors) experts
+    compute in the config's dtype, bfloat16 when it names none."""
     requested = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if isinstance(requested, dict):                 # per-module dtypes: the model's own is under ""
+        requested = requested.get("")
     if isinstance(requested, torch.dtype):
         return requested
     if isinstance(requested, str) and requested != "auto":
         return getattr(torch, requested)
+    named = getattr(config, "dtype", None)
+    named = getattr(torch, named, None) if isinstance(named, str) else named
+    if isinstance(named, torch.dtype):
+        return named
     source = pieces[0][0][0]
     if source.scales is None and not isinstance(source.source, PackedSource):
         return source.source.dtype
-    named = getattr(config, "dtype", None)
-    named = getattr(torch, named) if isinstance(named, str) else named
-    return named if isinstance(named, torch.dtype) else torch.bfloat16
+    return torch.bfloat16
+
 
 def _device_map(skeleton: nn.Module, layers: list[MoELayer], device: torch.device) -> dict[str, str]:
     """Without a user's device_map: everything on the policy's device, the experts modules not loaded."""

@@ -24,6 +24,8 @@ from .load import load_offloaded
 
 _ORIGINAL = PreTrainedModel.from_pretrained.__func__
 _LOAD_LOCK = threading.RLock()   # re-entrant: a load may load sub-models
+# `from_pretrained` keywords that also say where the config is
+_CONFIG_KWARGS = ("gguf_file", "subfolder", "revision", "cache_dir", "token", "local_files_only", "trust_remote_code")
 
 
 def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, offload_policy: Any = None, **kwargs):
@@ -63,10 +65,12 @@ def from_pretrained(pretrained_model_name_or_path, offload_policy: Any = "auto",
         >>> policy = {"device": "cpu", "store": "disk", "expert_cache": "25%"}
         >>> model = hf_moe_offload.from_pretrained(path, policy)   # doctest: +SKIP
     """
+    if offload_policy is None:       # here None is the default policy; only the keyword patch reads it as "off"
+        offload_policy = "auto"
     if model_class is None:
-
-        model_class = auto_model_class(kwargs.get("config") or AutoConfig.from_pretrained(
-            pretrained_model_name_or_path, **({"gguf_file": kwargs["gguf_file"]} if kwargs.get("gguf_file") else {})))
+        config_kwargs = {k: kwargs[k] for k in _CONFIG_KWARGS if kwargs.get(k) is not None}
+        model_class = auto_model_class(kwargs.get("config")
+                                       or AutoConfig.from_pretrained(pretrained_model_name_or_path, **config_kwargs))
     if hasattr(model_class, "_model_mapping"):   # Auto class: let it pick the concrete class, then our loader runs
         return model_class.from_pretrained(pretrained_model_name_or_path, *model_args,
                                            offload_policy=offload_policy, **kwargs)

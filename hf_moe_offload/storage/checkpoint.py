@@ -112,9 +112,12 @@ class CheckpointIndex:
         self.block_size = block_size
 
     @classmethod
-    def open(cls, root: str | os.PathLike, block_size: tuple[int, int] | None = None) -> "CheckpointIndex":
+    def open(cls, root: str | os.PathLike, block_size: tuple[int, int] | None = None,
+             variant: str | None = None) -> "CheckpointIndex":
+        """The tensors of the safetensors checkpoint in `root`; `variant` as in `from_pretrained(variant=...)`
+        (`model.<variant>.safetensors`, `model.safetensors.index.<variant>.json`)."""
         root = str(root)
-        files = _shard_files(root)
+        files = _shard_files(root, variant)
         entries: dict[str, TensorEntry] = {}
         for path in files:
             entries.update(read_header(path))
@@ -202,10 +205,21 @@ class CheckpointIndex:
         return Mxfp4Scales(scale_key, self.locate(scale_key, row), (1, MXFP4_BLOCK))
 
 
-def _shard_files(root: str) -> list[str]:
+def with_variant(name: str, variant: str | None) -> str:
+    """`name` with `variant` before its last suffix, as transformers names a variant's files: `model.safetensors` ->
+    `model.fp16.safetensors`, `model.safetensors.index.json` -> `model.safetensors.index.fp16.json`."""
+    if not variant:
+        return name
+    stem, suffix = name.rsplit(".", 1)
+    return f"{stem}.{variant}.{suffix}"
+
+
+def _shard_files(root: str, variant: str | None = None) -> list[str]:
     if not os.path.isdir(root):
         raise CheckpointError(f"checkpoint directory {root!r} does not exist")
-    index_path = os.path.join(root, "model.safetensors.index.json")
+    index_name = with_variant("model.safetensors.index.json", variant)
+    single_name = with_variant("model.safetensors", variant)
+    index_path = os.path.join(root, index_name)
     if os.path.exists(index_path):
         files = [os.path.join(root, name) for name in sorted(set(_weight_map(index_path).values()))]
         missing = [f for f in files if not os.path.exists(f)]
@@ -213,11 +227,11 @@ def _shard_files(root: str) -> list[str]:
             raise CheckpointError(f"checkpoint shard(s) listed in {index_path} are missing: "
                                   + ", ".join(os.path.basename(m) for m in missing))
         return files
-    single = os.path.join(root, "model.safetensors")
+    single = os.path.join(root, single_name)
     if os.path.exists(single):
         return [single]
-    raise CheckpointError(f"no safetensors checkpoint in {root!r} (expected model.safetensors or "
-                          f"model.safetensors.index.json; .bin checkpoints cannot be offloaded per expert)")
+    raise CheckpointError(f"no safetensors checkpoint in {root!r} (expected {single_name} or {index_name}; .bin "
+                          f"checkpoints cannot be offloaded per expert)")
 
 
 _INDEX_EXPECTED = ('expected a JSON object with "weight_map": {tensor name: shard file name, ...}, as '
@@ -480,15 +494,17 @@ def _pread_exact(rng: ByteRange, buf: memoryview, fd: int) -> None:
         done += n
 
 
-def resolve_checkpoint_dir(name_or_path: str | os.PathLike, **hub_kwargs) -> str:
-    """A local directory for `name_or_path`: the path itself, or the Hub cache snapshot (offline-friendly)."""
+def resolve_checkpoint_dir(name_or_path: str | os.PathLike, subfolder: str = "", **hub_kwargs) -> str:
+    """A local directory for `name_or_path` (and its `subfolder`, as in `from_pretrained(subfolder=...)`): the path
+    itself, or the Hub cache snapshot (offline-friendly)."""
     path = str(name_or_path)
     if os.path.isdir(path):
-        return path
+        return os.path.join(path, subfolder) if subfolder else path
 
     allowed = {k: v for k, v in hub_kwargs.items() if k in ("revision", "cache_dir", "token", "local_files_only")}
     try:
-        return snapshot_download(path, allow_patterns=["*.json", "*.safetensors"], **allowed)
+        snapshot = snapshot_download(path, allow_patterns=["*.json", "*.safetensors"], **allowed)
     except Exception as err:  # noqa: BLE001 - the hub raises many types; the user needs one message
         raise CheckpointError(f"cannot find checkpoint {path!r}: not a local directory and not available from "
                               f"the Hub cache ({err})") from err
+    return os.path.join(snapshot, subfolder) if subfolder else snapshot
