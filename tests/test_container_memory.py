@@ -79,3 +79,74 @@ def test_prepacked_copies_fit_within_the_container_not_the_machine(tmp_path, mon
     assert prepack_budget() == 2 * GiB - RESERVE_MIN_BYTES
     _fake_cgroup(tmp_path, monkeypatch, "0::/\n", {"memory.max": f"{GiB}\n", "memory.current": f"{512 * MiB}\n"})
     assert prepack_budget() == 0                        # a small container packs nothing: F.linear serves
+
+
+def test_a_cgroup_v2_limit_on_a_parent_group_binds(tmp_path, monkeypatch):
+    """A limit set on a parent group (a systemd slice, a pod, a container whose processes sit in a child group such
+    as /init.scope) binds this process although its own group says "max"."""
+    _fake_cgroup(tmp_path, monkeypatch, "0::/limited.slice/run-1.scope\n", {
+        "limited.slice/memory.max": f"{2 * GiB}\n", "limited.slice/memory.current": f"{GiB}\n",
+        "limited.slice/memory.stat": f"inactive_file {256 * MiB}\n",
+        "limited.slice/run-1.scope/memory.max": "max\n", "limited.slice/run-1.scope/memory.current": f"{512 * MiB}\n",
+        "limited.slice/run-1.scope/memory.stat": "inactive_file 0\n"})
+    assert container_memory() == fp_module.ContainerMemory(2 * GiB, 768 * MiB)
+    assert available_host_bytes() <= 2 * GiB - 768 * MiB
+    assert available_host_bytes() == min(psutil.virtual_memory().available, 2 * GiB - 768 * MiB)
+
+
+def test_a_looser_limit_on_the_own_group_does_not_hide_a_tighter_parent_limit(tmp_path, monkeypatch):
+    _fake_cgroup(tmp_path, monkeypatch, "0::/limited.slice/run-1.scope\n", {
+        "limited.slice/memory.max": f"{2 * GiB}\n", "limited.slice/memory.current": f"{GiB}\n",
+        "limited.slice/memory.stat": "inactive_file 0\n",
+        "limited.slice/run-1.scope/memory.max": f"{64 * GiB}\n",
+        "limited.slice/run-1.scope/memory.current": f"{GiB}\n",
+        "limited.slice/run-1.scope/memory.stat": "inactive_file 0\n"})
+    container = container_memory()
+    assert container.limit == 2 * GiB and container.available == GiB
+    assert available_host_bytes() <= GiB
+
+
+def test_a_cgroup_v1_limit_set_on_a_parent_group_binds(tmp_path, monkeypatch):
+    """cgroup v1 (hierarchical accounting): a parent's memory.limit_in_bytes binds, and where only the process's
+    own group is visible its memory.stat names the limit in force (hierarchical_memory_limit)."""
+    unlimited = "9223372036854771712\n"
+    _fake_cgroup(tmp_path, monkeypatch, "4:memory:/parent/child\n", {
+        "memory/parent/memory.limit_in_bytes": f"{2 * GiB}\n",
+        "memory/parent/memory.usage_in_bytes": f"{GiB}\n",
+        "memory/parent/child/memory.limit_in_bytes": unlimited,
+        "memory/parent/child/memory.usage_in_bytes": f"{GiB}\n",
+        "memory/parent/child/memory.stat": "total_inactive_file 0\n"})
+    assert container_memory().limit == 2 * GiB
+
+    _fake_cgroup(tmp_path / "visible", monkeypatch, "4:memory:/parent/child\n", {
+        "memory/parent/child/memory.limit_in_bytes": unlimited,
+        "memory/parent/child/memory.usage_in_bytes": f"{GiB}\n",
+        "memory/parent/child/memory.stat": f"hierarchical_memory_limit {2 * GiB}\ntotal_inactive_file {256 * MiB}\n"})
+    assert container_memory() == fp_module.ContainerMemory(2 * GiB, 768 * MiB)
+    assert available_host_bytes() <= 2 * GiB - 768 * MiB
+
+
+def test_the_host_memory_a_process_may_use_is_the_machine_within_its_container(tmp_path, monkeypatch):
+    """`host_memory_bytes()`: the machine's RAM, or the container's limit where that is smaller."""
+    total = psutil.virtual_memory().total
+    _fake_cgroup(tmp_path, monkeypatch, "0::/job\n", {"job/memory.max": f"{total // 4}\n",
+                                                      "job/memory.current": f"{GiB}\n"})
+    assert fp_module.host_memory_bytes() == total // 4
+    _fake_cgroup(tmp_path, monkeypatch, "0::/job\n", {"job/memory.max": f"{total * 4}\n"})
+    assert fp_module.host_memory_bytes() == total
+    _fake_cgroup(tmp_path, monkeypatch, "0::/job\n", {"job/memory.max": "max\n"})
+    assert fp_module.host_memory_bytes() == total
+
+
+def test_a_measured_machine_profile_records_the_containers_memory(tmp_path, monkeypatch):
+    """`hf-moe-offload plan` budgets host memory from the profile: inside a container it is the container's limit,
+    not the machine's RAM."""
+    from hf_moe_offload.planning.measure import measure
+
+    total = psutil.virtual_memory().total
+    _fake_cgroup(tmp_path, monkeypatch, "0::/\n", {"memory.max": f"{total // 4}\n", "memory.current": f"{GiB}\n",
+                                                   "memory.stat": "inactive_file 0\n"})
+    profile = measure(disk_piece_bytes=1 << 16, disk_pieces=4, memcpy_bytes=1 << 20, matmul_hidden=64,
+                      matmul_large_rows=8, seconds_per_kernel=0.001, device="cpu", expert_hidden=64,
+                      expert_rows=(1, 4), cold_bytes=1 << 20)
+    assert profile.host_memory_bytes == total // 4

@@ -192,27 +192,47 @@ class ContainerMemory:
 
 
 def container_memory() -> ContainerMemory | None:
-    """This process's control-group memory limit and use (cgroup v2, else v1), or None when it has no limit."""
+    """The memory limit that binds this process, with its group's use (cgroup v2, else v1), or None when it has no
+    limit. A limit set on a parent group binds too (a systemd slice, a pod, a container whose process sits in a
+    child group): of the groups from this process's up to the root, the one with the least memory left binds."""
     groups = {}
     try:
         for line in PROC_CGROUP.read_text().splitlines():
             _, controllers, path = line.split(":", 2)
-            groups[controllers] = path.lstrip("/")
+            groups[controllers] = path.strip("/")
     except (OSError, ValueError):
         return None
-    v2 = [CGROUP_ROOT / groups[""], CGROUP_ROOT] if "" in groups else [CGROUP_ROOT]
-    for folder in v2:
-        limit = _read_number(folder / "memory.max")
-        if limit is not None:
-            used = _read_number(folder / "memory.current") or 0
-            return ContainerMemory(limit, used - _stat(folder / "memory.stat", "inactive_file"))
-    v1_path = next((path for names, path in groups.items() if "memory" in names.split(",")), "")
-    for folder in (CGROUP_ROOT / "memory" / v1_path, CGROUP_ROOT / "memory"):
-        limit = _read_number(folder / "memory.limit_in_bytes")
-        if limit is not None and limit < _UNLIMITED:
-            used = _read_number(folder / "memory.usage_in_bytes") or 0
-            return ContainerMemory(limit, used - _stat(folder / "memory.stat", "total_inactive_file"))
-    return None
+    if "" in groups:
+        found = [_v2_group(folder) for folder in _up_to_root(CGROUP_ROOT, groups[""])]
+    else:
+        v1_path = next((path for names, path in groups.items() if "memory" in names.split(",")), "")
+        found = [_v1_group(folder) for folder in _up_to_root(CGROUP_ROOT / "memory", v1_path)]
+    limited = [group for group in found if group is not None]
+    return min(limited, key=lambda group: group.available) if limited else None
+
+
+def _up_to_root(root: Path, path: str) -> list[Path]:
+    """The control-group folders from `root / path` up to `root`."""
+    parts = [part for part in path.split("/") if part]
+    return [root.joinpath(*parts[:depth]) for depth in range(len(parts), -1, -1)]
+
+
+def _v2_group(folder: Path) -> ContainerMemory | None:
+    limit = _read_number(folder / "memory.max")
+    if limit is None:
+        return None
+    used = _read_number(folder / "memory.current") or 0
+    return ContainerMemory(limit, used - _stat(folder / "memory.stat", "inactive_file"))
+
+
+def _v1_group(folder: Path) -> ContainerMemory | None:
+    # v1 writes the limit in force, a parent's included, as memory.stat's hierarchical_memory_limit
+    limit = min(_read_number(folder / "memory.limit_in_bytes") or _UNLIMITED,
+                _stat(folder / "memory.stat", "hierarchical_memory_limit") or _UNLIMITED)
+    if limit >= _UNLIMITED:
+        return None
+    used = _read_number(folder / "memory.usage_in_bytes") or 0
+    return ContainerMemory(limit, used - _stat(folder / "memory.stat", "total_inactive_file"))
 
 
 def _read_number(path: Path) -> int | None:
@@ -240,6 +260,13 @@ def available_host_bytes() -> int:
     available = psutil.virtual_memory().available
     container = container_memory()
     return available if container is None else min(available, container.available)
+
+
+def host_memory_bytes() -> int:
+    """The host memory this process may ever use: the machine's RAM, within its container's limit."""
+    total = psutil.virtual_memory().total
+    container = container_memory()
+    return total if container is None else min(total, container.limit)
 
 
 def free_bytes(device: torch.device) -> int:

@@ -19,7 +19,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
-import psutil
 import torch
 
 from .._logging import progress
@@ -27,6 +26,7 @@ from .._timing import best_rate
 from ..memory import cpu_kernels
 from ..memory.cpu_kernels import PrepackedWeights, prepack_supported
 from ..storage.quantize import to_cpu_int4
+from .footprint import host_memory_bytes
 from .profile import EXPERT_CURVE_ROWS, MachineProfile
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ def measure(disk_piece_bytes: int = 16 << 20, disk_pieces: int = 16, disk_thread
     load = f", load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs" if hasattr(os, "getloadavg") else ""
     profile = MachineProfile(name=host, source=f"measured by hf_moe_offload.planning.measure.measure() on "
                                                     f"{time.strftime('%Y-%m-%d')}{load}",
-                             cpu_threads=torch.get_num_threads(), host_memory_bytes=psutil.virtual_memory().total,
+                             cpu_threads=torch.get_num_threads(), host_memory_bytes=host_memory_bytes(),
                              **values)
     logger.info("hf_moe_offload profile: %s", profile.summary().replace("\n", ";"))
     return profile
