@@ -105,8 +105,9 @@ def _add_plan(plan: argparse.ArgumentParser) -> None:
     plan.add_argument("--gen-len", type=positive_int, required=True, help="new tokens per sequence")
     plan.add_argument("--profile", default=None, help="a profile file, or a shipped one: t4, l4 (default: this "
                                                       "machine's, from `hf-moe-offload profile`)")
-    plan.add_argument("--device-memory", default=None, help="device memory budget, e.g. 16GiB (default: the "
-                                                            "profile's device memory; host memory on a CPU profile)")
+    plan.add_argument("--device-memory", default=None, help="device memory budget, e.g. 16GiB or 50%% (default: "
+                                                            "the profile's device memory; host memory on a CPU "
+                                                            "profile)")
     plan.add_argument("--store", choices=("cpu", "disk"), default=None,
                       help="where the experts are kept (default: cpu when host RAM holds them, else disk)")
 
@@ -186,7 +187,9 @@ def _plan(args: argparse.Namespace) -> int:
     config = model_config(args.model)
     check_model(config, args.model, command="plan", causal=True)   # its roofline models decoder-only generation
     profile = load_profile(args.profile)
-    budget = None if args.device_memory is None else parse_size(args.device_memory, total=1 << 62)
+    # a share ("50%") is of what the budget defaults to: the profile's device memory, host memory on a CPU profile
+    whole = profile.device_memory_bytes or profile.host_memory_bytes
+    budget = None if args.device_memory is None else parse_size(args.device_memory, total=whole)
     plan = make_plan(ModelShape.from_pretrained(args.model), profile, args.batch, args.prompt_len, args.gen_len,
                      device_memory=budget, store=args.store)
     print(f"profile: {profile.name}{profile_origin(args.profile)}")

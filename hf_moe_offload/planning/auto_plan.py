@@ -94,7 +94,7 @@ def plan_for_policy(policy: OffloadPolicy, resolved: OffloadPolicy, fp: Footprin
     if profile is None:
         return resolved, None
     shape, job = shape_from_footprint(fp), Job.of(resolved)
-    best = _best_candidate(policy, resolved, shape, profile, free, job)
+    best = _best_candidate(policy, resolved, shape, profile, free, job, fp.host_store_in_place)
     if best is None:
         return resolved, None
     cand, (pre_tok_s, dec_tok_s, overall, binding) = best
@@ -173,10 +173,13 @@ def _schedule_options(tokens: int, shape: ModelShape, free: list[str], field_val
 
 
 def _best_candidate(policy: OffloadPolicy, resolved: OffloadPolicy, shape: ModelShape, profile: MachineProfile,
-                    free: list[str], job: Job) -> tuple[Candidate, tuple[float, float, float, str]] | None:
-    """The candidate with the highest predicted tok/s, and its prediction; None if the cache fits none."""
+                    free: list[str], job: Job, host_store_in_place: bool = True
+                    ) -> tuple[Candidate, tuple[float, float, float, str]] | None:
+    """The candidate with the highest predicted tok/s, and its prediction; None if the cache fits none.
+    `host_store_in_place`: a CPU store's experts are computed with where they are (`resolve`'s rule; a store kept
+    in another form than the one computed with, e.g. packed, feeds cache slots instead)."""
     device = "cuda" if str(resolved.device).startswith("cuda") else "cpu"
-    zero_copy = device == "cpu" and resolved.store == "cpu"
+    zero_copy = device == "cpu" and resolved.store == "cpu" and host_store_in_place
     share = 1.0 if zero_copy else min(1.0, int(resolved.expert_cache) / max(1, shape.all_expert_bytes))
     slots = int(resolved.expert_cache) // max(1, shape.expert_bytes)
     windows = STREAM_WINDOWS if "stream_window" in free else (int(resolved.stream_window),)
