@@ -89,7 +89,8 @@ class ExpertCache:
         self.table = SlotTable(self.num_slots)
         self.lock = lock if lock is not None else threading.RLock()
         self.pass_state = PassState(len(store.layouts))
-        self.staging = StagingRoom(self.table, self.pass_state, self.num_slots)
+        self.staging = StagingRoom(self.table, self.pass_state, self.num_slots,
+                                   permanent=sum(store.num_experts[:self.resident_layers]))
         self.held_pins = HeldPins()
         self.stalls = StallClock(device, stats)
         if self.resident_layers:
@@ -276,7 +277,7 @@ class ExpertCache:
                 self._wait_quietly(in_flight[0])
                 if table.free:                   # its read failed: the slot is free already
                     return table.free.pop()
-                victim = _victim(self, layer)
+            victim = _victim(self, layer)        # a landed guess too: the forward needs this expert now
         if victim is None:
             return None
         self._evict(victim)

@@ -24,13 +24,15 @@ class StagingRoom:
         (2, False)
     """
 
-    def __init__(self, table: SlotTable, pass_state: PassState, num_slots: int):
+    def __init__(self, table: SlotTable, pass_state: PassState, num_slots: int, permanent: int = 0):
+        """`permanent`: slots pinned for good (`resident_layers`), of `num_slots`; the room is a share of the rest."""
         self.table, self.pass_state, self.num_slots = table, pass_state, num_slots
+        self.evictable = num_slots - permanent
 
     def room(self) -> int:
         """Slots kept for guesses now: the pass's read-ahead room, for an on-demand pass (no window)."""
         state = self.pass_state
-        return min(state.ahead_room, self.num_slots // MAX_SHARE) if state.window is None else 0
+        return min(state.ahead_room, self.evictable // MAX_SHARE) if state.window is None else 0
 
     def regular_full(self) -> bool:
         """Whether the experts loaded on demand (or used guesses) fill the cache but for the room."""

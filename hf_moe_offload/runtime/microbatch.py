@@ -20,8 +20,8 @@ How, without patching a model class:
   pinned until the last slice (`ExpertCache.fetch(hold=True)`, then `release_held`) and the stream planner counts
   one pass, not one per slice.
 
-Several threads generating on one model take turns per split layer call (a cache sized for one layer's hold has
-no room for two); the held pins are each thread's own.
+Several threads generating on one model take turns per layer call, split or not (a cache sized for one layer's hold
+has no room for a second call beside it); the held pins are each thread's own.
 
 The whole batch runs in one call (no slicing) when: a single sequence; gradients are on (training); the pass asks
 for attentions or router logits (recorded per module call); its cache is not a `DynamicCache` of full or
@@ -236,7 +236,8 @@ class MicroBatchedLayers:
                 self._warned.add(why)
                 logger.info("hf_moe_offload: a pass runs its whole batch at once instead of %d micro-batches: %s",
                             self.count, why)
-            return forward(*args, **kwargs)
+            with self._turn:      # another thread's split call may hold this layer's experts between its slices
+                return forward(*args, **kwargs)
         if self.on_split is not None:
             self.on_split(True)
         with self._turn:
