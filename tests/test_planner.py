@@ -114,6 +114,20 @@ def test_plan_cli_on_the_demo_model_with_the_t4_profile(capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_plan_cli_takes_a_share_of_the_profiles_device_memory(capsys):
+    """`--device-memory 50%`: half the profile's device memory (the T4's 16 GB), not half of an unbounded number."""
+    args = ["plan", "--model", str(DEMO_MODEL), "--batch", "8", "--prompt-len", "32", "--gen-len", "16",
+            "--profile", "t4", "--device-memory"]
+    assert main([*args, "50%"]) == 0
+    share = capsys.readouterr().out
+    assert main([*args, str(load_profile("t4").device_memory_bytes // 2)]) == 0
+    assert capsys.readouterr().out == share
+    assert main([*args, "0.00001%"]) == 2                   # a few KiB of a T4: too small for the model
+    assert "smallest workable" in capsys.readouterr().err
+    assert main([*args, "150%"]) == 2
+    assert "150%" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ the cost model's profile fields and "auto"
 
 def _cpu_profile(**extra) -> MachineProfile:
@@ -228,3 +242,34 @@ def test_shape_takes_the_stored_dtype_when_the_config_names_none(tmp_path):
     shape = ModelShape.from_pretrained(str(tmp_path))
     assert shape.dtype_bytes == 2
     assert shape.expert_bytes == 3 * 64 * 128 * 2
+
+
+@pytest.mark.parametrize("in_place,slots", [(True, 3), (False, 3), (False, 64)])
+def test_a_cpu_store_feeding_cache_slots_is_planned_with_its_slots(monkeypatch, in_place, slots):
+    """On the CPU, a store used in place (plain slabs) is all resident; one feeding cache slots (a GGUF or packed
+    store) has only its slots: a streamed schedule whose window and top-k do not fit them is never weighed."""
+    from hf_moe_offload.planning import auto_plan
+    from hf_moe_offload.planning.footprint import Footprint
+    from hf_moe_offload.policy.offload_policy import OffloadPolicy
+
+    slab = 22020096
+    weighed = []
+    real_predict = auto_plan.predict
+
+    def recording_predict(shape, profile, cand, *args, **kwargs):
+        weighed.append(cand)
+        return real_predict(shape, profile, cand, *args, **kwargs)
+
+    monkeypatch.setattr(auto_plan, "predict", recording_predict)
+    fp = Footprint(expert_bytes=64 * slab, slab_bytes=slab, resident_bytes=181569536, top_k=2,
+                   kv_bytes_per_token=32768, layer_experts=(8,) * 8, host_store_in_place=in_place,
+                   store_bytes=0 if in_place else 16 * slab)
+    given = OffloadPolicy(device="cpu", store="cpu", expert_cache=slots * slab, max_batch_size=32, max_seq_len=256)
+    done = dataclasses.replace(given, stream_window=2)
+    auto_plan.plan_for_policy(given, done, fp, load_profile("t4"))
+    streamed = [c for c in weighed if "stream" in (c.prefill_schedule, c.decode_schedule)]
+    if in_place:
+        assert streamed and {c.resident_share for c in weighed} == {1.0}
+    else:
+        assert {c.resident_share for c in weighed} == {slots / 64}
+        assert streamed and all(slots >= c.stream_window + 2 for c in streamed)
