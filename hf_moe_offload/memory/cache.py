@@ -72,7 +72,8 @@ class ExpertCache:
         self.resident_layers = 0 if self.zero_copy else resident_layers
         _check_room(store, expert_compute, self.resident_layers, self.num_slots, self.slot_bytes, budget_bytes)
         # The slots that take turns (the resident layers' stay): how much routing the eviction order can keep.
-        self.eviction.add_slots(self.num_slots - sum(store.num_experts[:self.resident_layers]))
+        permanent = sum(store.num_experts[:self.resident_layers])
+        self.eviction.add_slots(self.num_slots - permanent)
         stats.capacity_bytes = self.num_slots * self.slot_bytes
         with torch.inference_mode(False):   # a model built under inference mode must still copy into its slots
             self.memory = torch.empty(self.num_slots, self.slot_numel, dtype=store.dtype, device=device)
@@ -89,8 +90,7 @@ class ExpertCache:
         self.table = SlotTable(self.num_slots)
         self.lock = lock if lock is not None else threading.RLock()
         self.pass_state = PassState(len(store.layouts))
-        self.staging = StagingRoom(self.table, self.pass_state, self.num_slots,
-                                   permanent=sum(store.num_experts[:self.resident_layers]))
+        self.staging = StagingRoom(self.table, self.pass_state, self.num_slots, permanent=permanent)
         self.held_pins = HeldPins()
         self.stalls = StallClock(device, stats)
         if self.resident_layers:
@@ -271,13 +271,9 @@ class ExpertCache:
         if victim is None and table.free:
             return table.free.pop()
         if victim is None and speculative_for is None:
-            # Demand beats prefetch: let an unused prefetch still in flight land, then it may be evicted.
-            in_flight = [s for s in table.unwaited() if s.pins == 0]
-            if in_flight:
-                self._wait_quietly(in_flight[0])
-                if table.free:                   # its read failed: the slot is free already
-                    return table.free.pop()
-            victim = _victim(self, layer)        # a landed guess too: the forward needs this expert now
+            victim = _demand_victim(self, layer)
+            if victim is None and table.free:    # a read in flight failed: its slot is free already
+                return table.free.pop()
         if victim is None:
             return None
         self._evict(victim)
@@ -542,6 +538,18 @@ def _serve_in_place(cache: ExpertCache, layer: int, experts: Sequence[int],
     for e in experts:
         cache.stats.record_hit(layer)
         yield e, cache.store.host_slab(layer, e)
+
+
+def _demand_victim(cache: ExpertCache, layer: int) -> Slot | None:
+    """The slot a demand load of `layer` takes when the cache's order gave none: demand beats prefetch, so an unused
+    prefetch still in flight may land and be evicted, and a landed guess may be too (the forward needs this expert
+    now). None when a read that failed freed a slot meanwhile, or every slot is pinned."""
+    in_flight = [s for s in cache.table.unwaited() if s.pins == 0]
+    if in_flight:
+        cache._wait_quietly(in_flight[0])
+        if cache.table.free:
+            return None
+    return _victim(cache, layer)
 
 
 def _load_resident_layers(cache: ExpertCache) -> None:
