@@ -138,17 +138,25 @@ def test_a_direct_read_of_any_byte_range_gives_exactly_those_bytes(tmp_path, off
         os.close(fd)
 
 
-def test_files_are_opened_for_direct_reads_at_load_and_a_file_replaced_before_is_refused(checkpoint, tmp_path):
+def test_direct_reads_read_the_files_indexed_though_their_names_now_hold_others(checkpoint, tmp_path, monkeypatch):
+    """Files replaced after loading (another process rebuilt the folder): a store keeps reading the files it
+    indexed, also when its direct reads are turned on afterwards; where the system cannot reopen an open file
+    (no /proc), the file its name holds now is refused."""
     expected = _tokens(model_class(FAMILY).from_pretrained(checkpoint).eval())
     direct, buffered = _load(checkpoint, disk_reads="direct"), _load(checkpoint, disk_reads="buffered")
+    by_name = _load(checkpoint, disk_reads="buffered")
     other = build_tiny(FAMILY, tmp_path / "other", seed=3, max_shard_size="100KB")
     for name in os.listdir(other):
         if name.endswith(".safetensors"):
             shutil.copy(os.path.join(other, name), os.path.join(checkpoint, name + ".new"))
             os.replace(os.path.join(checkpoint, name + ".new"), os.path.join(checkpoint, name))
     assert torch.equal(_tokens(direct), expected)        # the files opened at load are the ones read
+    if os.path.isdir("/proc/self/fd"):
+        get_engine(buffered).store.read_directly()       # the open files, opened again for direct reads
+        assert get_engine(buffered).store.reads_directly and torch.equal(_tokens(buffered), expected)
+    monkeypatch.setattr(direct_io.os.path, "exists", lambda p: False if p.startswith("/proc/") else os.path.isfile(p))
     with pytest.raises(IntegrityError, match="changed since it was indexed"):
-        get_engine(buffered).store.read_directly()       # opened by name now: another file, refused
+        get_engine(by_name).store.read_directly()        # opened by name: another file, refused
 
 
 def test_a_file_system_without_o_direct_is_read_through_the_page_cache(checkpoint, monkeypatch):

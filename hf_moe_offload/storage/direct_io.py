@@ -23,11 +23,15 @@ from .checkpoint import ByteRange, CheckpointError
 ALIGN = 4096      # offsets, lengths and buffer addresses of direct reads: a multiple of any disk's logical block
 
 
-def open_direct(path: str) -> int | None:
-    """`path` opened for direct reads, or None where the file system does not take them (tmpfs, some FUSE)."""
+def open_direct(path: str, open_fd: int | None = None) -> int | None:
+    """`path` opened for direct reads, or None where the file system does not take them (tmpfs, some FUSE).
+    `open_fd`: the same file open already; where the system names open files (`/proc/self/fd`), that file is opened
+    again even when its name now points elsewhere or nowhere (another process rebuilt the folder meanwhile)."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
+    if open_fd is not None and os.path.exists(f"/proc/self/fd/{open_fd}"):
+        path = f"/proc/self/fd/{open_fd}"
     try:
         return os.open(path, os.O_RDONLY | flag)
     except OSError as err:

@@ -383,10 +383,11 @@ class DiskStore(ExpertStore):
 
     def _direct_fd(self, path: str) -> int | None:
         """`path` opened for direct reads (once), checked to be the file indexed; None: its file system refuses."""
+        buffered = self._fd(path)               # the file open since the store was made, whatever its name holds now
         with self._fds_lock:
             if path not in self._direct_fds:
-                direct = open_direct(path)
-                if direct is not None:       # opened by name again: the file indexed, or refused as such
+                direct = open_direct(path, buffered)
+                if direct is not None:       # opened again: the file indexed, or refused as such
                     try:
                         check_identity(path, direct, self._identities[path])
                     except BaseException:
