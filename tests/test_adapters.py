@@ -19,6 +19,7 @@ from hf_moe_offload.arch import get_arch, supported_families
 from hf_moe_offload.arch.dbrx import DbrxArch
 from hf_moe_offload.arch.gpt_oss import GptOssArch
 from hf_moe_offload.arch.llama4 import Llama4Arch
+from hf_moe_offload.planning.footprint import footprint
 from hf_moe_offload.policy.offload_policy import PolicyError
 
 from conftest import VOCAB, token_inputs
@@ -204,3 +205,15 @@ def test_families_table_lists_them_as_supported():
                                 ("llama4_text", "Llama4Arch")):
         assert rows[model_type]["status"] == "supported" and adapter in rows[model_type]["experts"]
     assert rows["gpt_oss"]["checkpoint"].startswith("fused: gate_up_proj, gate_up_proj_bias")
+
+
+def test_cpu_attention_of_a_model_sdpa_cannot_run_is_refused(saved):
+    """GPT-OSS adds learned attention sinks, which transformers' sdpa (what CPU attention runs) would drop: the
+    policy is refused before loading, and "auto" keeps the attention on the device."""
+    path = saved["gpt_oss"][0]
+    with pytest.raises(PolicyError, match="GptOssForCausalLM does not support.*attention='device'"):
+        AutoModelForCausalLM.from_pretrained(path, offload_policy={"device": "cpu", "store": "disk",
+                                                                   "attention": "cpu"})
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    arch = get_arch(model.config)
+    assert footprint(model, arch.find_layers(model), torch.float32).cpu_attention_refusal is not None

@@ -292,6 +292,10 @@ def check_cpu_attention(model: nn.Module) -> None:
     if getattr(config, "is_encoder_decoder", False):
         raise PolicyError(f"CPU attention supports decoder-only models; {config.model_type!r} is an encoder-decoder "
                           f"model (its cross-attention cache is not a host cache). Allowed: attention='device'")
+    if not getattr(model, "_supports_sdpa", True):
+        raise PolicyError(f"CPU attention runs transformers' sdpa, which {type(model).__name__} does not support (its "
+                          f"attention applies what sdpa cannot, such as learned attention sinks); allowed: "
+                          f"attention='device'")
     if not model._can_set_attn_implementation():
         raise PolicyError(f"{type(model).__name__} does not dispatch its attention through transformers' "
                           f"AttentionInterface, so CPU attention cannot be selected; allowed: attention='device'")

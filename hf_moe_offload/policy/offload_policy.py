@@ -269,7 +269,8 @@ class OffloadPolicy:
                   "help": 'Where attention runs and its KV cache lives: "device" (the model\'s own attention '
                           'implementation, KV cache on the device), "cpu" (MoE-Lightning, FlexGen: keys and values '
                           "in (pinned) host memory, attention on the CPU, only the query and output cross PCIe; the "
-                          "batch is then limited by host memory, not device memory; decoder-only models; "
+                          "batch is then limited by host memory, not device memory; decoder-only models whose "
+                          "attention transformers' sdpa runs (not GPT-OSS's sinks); "
                           'generate_batch is refused with it; exact within float tolerance) or "auto" (default: '
                           '"cpu" on a GPU when the KV cache of max_batch_size x max_seq_len does not fit the device '
                           'beside the resident part and the expert cache, else "device").'},
