@@ -195,4 +195,3 @@ def test_encoder_decoder_refused_before_loading(tiny_models):
     with pytest.raises(PolicyError, match="encoder-decoder.*attention='device'"):
         offloaded("switch_transformers", tiny_models["switch_transformers"], device="cpu", store="disk",
                   attention="cpu")
-
