@@ -217,3 +217,21 @@ def test_cpu_attention_of_a_model_sdpa_cannot_run_is_refused(saved):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     arch = get_arch(model.config)
     assert footprint(model, arch.find_layers(model), torch.float32).cpu_attention_refusal is not None
+
+
+def test_dbrx_with_four_experts_per_token_in_bfloat16_is_bit_exact(tmp_path):
+    """DBRX adds its experts' outputs into a bfloat16 buffer one expert at a time (real DBRX routes to four):
+    the offloaded sum rounds the same way, so the logits are the same bits."""
+    torch.manual_seed(0)
+    config = DbrxConfig(**IDS, d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
+                        attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                        ffn_config={"ffn_hidden_size": 48, "moe_num_experts": 8, "moe_top_k": 4})
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16).eval()
+    _decisive_routers(model)
+    model.save_pretrained(tmp_path / "dbrx")
+    ids, mask = token_inputs(4, 10, left_pad=True)
+    expected = _outputs(AutoModelForCausalLM.from_pretrained(tmp_path / "dbrx").eval(), ids, mask)
+    offloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dbrx", offload_policy={
+        "device": "cpu", "store": "disk", "expert_cache": "50%"}).eval()
+    tokens, logits = _outputs(offloaded, ids, mask)
+    assert torch.equal(logits, expected[1]) and torch.equal(tokens, expected[0])

@@ -60,10 +60,9 @@ class OffloadedDbrxExperts(nn.Module):
         # hidden_states [B, S, H] (or [T, H]); top_k_index, top_k_weights [T, k]. Output like DbrxExperts: [B, -1, H].
         batch = hidden_states.shape[0]
         x_all = hidden_states.reshape(-1, self.hidden_size)              # [T, H]
-        # Summed in the model's dtype, not promoted with the routing weights': DbrxExperts adds into next_states
-        # of hidden_states' dtype.
+        # Summed as DbrxExperts does: into next_states of hidden_states' dtype, one expert at a time in expert order.
         out = run_routed_experts(runtime_of(self), x_all, top_k_index, self.num_experts, self.expert,
-                                 routing_weights=top_k_weights, out_dtype=x_all.dtype)
+                                 routing_weights=top_k_weights, out_dtype=x_all.dtype, in_expert_order=True)
         return out.view(batch, -1, self.hidden_size)
 
 

@@ -154,7 +154,7 @@ ExpertFn = Callable[[torch.Tensor, dict[str, torch.Tensor]], torch.Tensor]
 def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, routed_to: torch.Tensor,
                        num_experts: int, expert_fn: ExpertFn, *, routing_weights: torch.Tensor | None = None,
                        out_dtype: torch.dtype | None = None, layer_input: torch.Tensor | None = None,
-                       routed_on_host: torch.Tensor | None = None) -> torch.Tensor:
+                       routed_on_host: torch.Tensor | None = None, in_expert_order: bool = False) -> torch.Tensor:
     """The routed-experts loop of every offloaded forward; a family gives only its per-expert math, `expert_fn`.
 
     `hidden_states` [T, H]; `routed_to` [T, k]: the expert of each token's k slots (-1: none). Only experts that
@@ -163,7 +163,9 @@ def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, rout
     grouped_mm, so the order in which experts arrive does not change the numbers; a slot of no expert adds zero.
     The sum is kept in `out_dtype` (default: `hidden_states` and `routing_weights` promoted); the result [T, H] is
     in `hidden_states.dtype`. `layer_input` is what the runtime's hooks see as the layer's input (default
-    `hidden_states`); `routed_on_host`: `routed_to` already on the host, if the caller has it. Backward through the
+    `hidden_states`); `routed_on_host`: `routed_to` already on the host, if the caller has it. `in_expert_order`:
+    add a token's rows one at a time in ascending expert order instead, rounding to `out_dtype` after each add (a
+    family whose own forward loops over the experts adding into its output, as DBRX does). Backward through the
     result raises (`_NoBackwardThroughOffloadedExperts`).
 
     Example:
@@ -195,9 +197,21 @@ def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, rout
             x = hidden_states if isinstance(rows, slice) else hidden_states[rows // k if k > 1 else rows]  # [n, H]
             y = expert_fn(x.to(weights_device(weights)), weights).to(weighted.device)   # [n, H]
             weighted[rows] = y if row_weights is None else y * row_weights[rows, None]
-        out = weighted.view(num_tokens, k, hidden).sum(dim=1).to(hidden_states.dtype)   # [T, H]
+        weighted = weighted.view(num_tokens, k, hidden)                                 # [T, k, H]
+        out = (_sum_in_expert_order(weighted, on_host.view(num_tokens, k)) if in_expert_order
+               else weighted.sum(dim=1)).to(hidden_states.dtype)                        # [T, H]
     return _refuse_backward(out, hidden_states)
 
+
+def _sum_in_expert_order(weighted: torch.Tensor, routed_to: torch.Tensor) -> torch.Tensor:
+    """[T, k, H] -> [T, H]: each token's k rows added into zeros one at a time, in ascending expert order, each add
+    rounded to the rows' dtype (what a loop of `index_add_` over the experts computes)."""
+    order = routed_to.to(weighted.device).argsort(dim=1, stable=True)                   # [T, k]
+    rows = weighted.gather(1, order[:, :, None].expand_as(weighted))
+    out = torch.zeros_like(rows[:, 0])
+    for j in range(rows.shape[1]):
+        out += rows[:, j]
+    return out
 
 # Host-side decisions at every step: compiling it (static-cache generate auto-compiles on CUDA) would only recompile.
 @torch.compiler.disable
