@@ -343,6 +343,31 @@ def test_cli_errors(mixtral_dir, jsonl, tmp_path, capsys):
     with pytest.raises(UnsupportedModelError):
         fingerprint(LlamaForCausalLM(LlamaConfig(**COMMON, intermediate_size=48)))
 
+    assert cli.main(["--model", mixtral_dir, "--dataset", jsonl, "--store", "disk", "--routing", "predicted",
+                     "--predictor", str(tmp_path / "an_old_predictor"), *base]) == 2
+    assert "routing must be 'router'" in capsys.readouterr().err
+
+
+def test_router_logits_kept_in_a_routing_dir_are_collected_again_for_another_dataset(mixtral_dir, jsonl, tmp_path,
+                                                                                        capsys):
+    """`--routing-dir` reuses the router logits of the same token ids only: a dataset file that changed is
+    collected again."""
+    cli = _load_cli()
+    data = tmp_path / "data.jsonl"
+    lines = Path(jsonl).read_text().splitlines()
+    args = ["--model", mixtral_dir, "--dataset", str(data), "--routing-dir", str(tmp_path / "routing"),
+            "--out", str(tmp_path / "p"), "--overwrite", "--no-progress", "--epochs", "1", "--max-length", "24",
+            "--d-model", "16", "--lstm-hidden", "16", "--log-level", "info"]
+    rows = []
+    for count in (5, 5, 12):
+        data.write_text("\n".join(lines[:count]) + "\n")
+        assert cli.main(args) == 0, capsys.readouterr().err
+        captured = capsys.readouterr()
+        config = json.loads((tmp_path / "p" / "predictor_config.json").read_text())
+        rows.append((config["training"]["data"]["rows"], "reusing the router logits" in captured.err))
+    assert rows[0] == (5, False) and rows[1] == (5, True)      # the same file: reused
+    assert rows[2] == (12, False)                             # the file changed: collected again
+
 
 # -- `hf-moe-offload train-hash`: --out is checked before any work --------------------------------------------
 

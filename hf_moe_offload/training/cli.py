@@ -31,6 +31,7 @@ collected; a failed check prints one error line and exits with status 2 (`--debu
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -225,7 +226,11 @@ def policy_of(args: argparse.Namespace) -> tuple[OffloadPolicy | None, str | Non
     if args.policy is None and set(fields) <= {"device"}:
         device = fields.get("device")
         return None, (None if device is None else str(normalize_device(device)))
-    return policy_from_args(args), None
+    policy = policy_from_args(args)
+    if policy.routing != "router":
+        raise PolicyError(f"train-hash learns the model's own router, so the policy's routing must be 'router', not "
+                          f"{policy.routing!r} (the predictor would learn another predictor's guesses)")
+    return policy, None
 
 
 def load_tokenizer(path: str):
@@ -255,8 +260,10 @@ def train(args: argparse.Namespace, command: str) -> dict:
         raise ValueError(f"the tokenizer produces id {top_id}, beyond the model's {fp['vocab_size']} embeddings")
     log.info("%d sequences, %d tokens (max length %d)", len(rows), rows.num_tokens, args.max_length)
 
+    # What the cached router logits were collected from: a changed dataset file or dtype collects them again.
     info = {"dataset": args.dataset, "text_field": args.text_field, "max_length": args.max_length,
-            "chunk": args.chunk, "max_samples": args.max_samples, "model": str(args.model)}
+            "chunk": args.chunk, "max_samples": args.max_samples, "model": str(args.model), "dtype": args.dtype,
+            "tokens_sha256": _tokens_digest(rows.input_ids)}
     need = routing_bytes(rows.num_tokens, fp["num_layers"], fp["num_experts"])
     tmp = None
     data = None
@@ -339,3 +346,12 @@ def main(argv: list[str] | None = None, prog: str = "scripts/train_hash.py") -> 
     args = parser.parse_args(argv)
     configure_cli_logging(args.log_level, args.quiet)
     return run_command(args, shlex.join(["python", prog, *argv]), prog=prog)
+
+
+def _tokens_digest(input_ids) -> str:
+    """The checksum of every sequence's token ids, in order."""
+    digest = hashlib.sha256()
+    for ids in input_ids:
+        digest.update(len(ids).to_bytes(8, "little"))
+        digest.update(ids.to(torch.int64).numpy().tobytes())
+    return digest.hexdigest()

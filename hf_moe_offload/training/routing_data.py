@@ -201,7 +201,8 @@ class RouterTap:
                 kind.check("hash predictor training data (teacher router logits)")
             routers.append(self.arch.router_module(self.model, layer))
         for i, router in enumerate(routers):
-            self._handles.append(router.register_forward_hook(self._hook(i)))
+            # first among the hooks: what the router computed, before any hook replaces it
+            self._handles.append(router.register_forward_hook(self._hook(i), prepend=True))
         return self
 
     def __exit__(self, *exc) -> None:
