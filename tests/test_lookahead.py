@@ -202,6 +202,13 @@ def test_simulated_policies_match_the_engine_on_a_recorded_trace(tiny_models):
         assert simulate(recorder.trace, engine.cache.num_slots, "belady").misses <= sim.misses
 
 
+def test_a_recorder_of_predictions_not_bound_to_the_engine_says_so(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache=THIRD)
+    hf_moe_offload.get_engine(model).add_hook(RoutingRecorder(predictions=True))
+    with pytest.raises(RuntimeError, match=r"bind it to the engine first"):
+        model.generate(token_inputs(1, 3, seed=13)[0], **GENERATE)
+
+
 def test_payoff_trial_keeps_reading_only_when_it_lowers_the_stall():
 
     def run(trial, stall_off, stall_on, passes):

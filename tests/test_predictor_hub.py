@@ -5,6 +5,8 @@ host-sync change of F13 in prefetch/hash/model.py)."""
 
 from __future__ import annotations
 
+import copy
+
 import hashlib
 import json
 import shutil
@@ -69,6 +71,13 @@ def test_save_pretrained_round_trip_predicts_the_same(predictor, mixtral, tmp_pa
         assert loaded.config.fingerprint() == predictor.config.fingerprint()
 
 
+def test_saving_the_same_weights_writes_the_same_bytes(predictor, tmp_path):
+    """The recorded sha256 shows a reproduced run (and an upload of unchanged weights changes nothing)."""
+    digests = {predictor.save(tmp_path / str(i)) and predictor.config.weights_sha256 for i in range(6)}
+    files = {(tmp_path / str(i) / "predictor.safetensors").read_bytes() for i in range(6)}
+    assert len(digests) == 1 and len(files) == 1
+
+
 def test_a_directory_written_by_save_loads_with_from_pretrained(predictor, mixtral, tmp_path):
     predictor.save(tmp_path / "old")
     assert not (tmp_path / "old" / MODEL_CARD_NAME).exists()          # save() keeps writing exactly two files
@@ -84,6 +93,15 @@ def test_model_card_names_the_model_the_metrics_and_the_usage(predictor, tmp_pat
     assert "| `mixtral` | 2 | 6 | 2 | 32 | 96 |" in card                # model type, layers, experts, top-k
     assert "Held-out hit rate" in card and "**0.8125**" in card
     assert f'"prefetch": "hash", "predictor": "{REPO_ID}"' in card
+
+
+def test_model_card_names_no_hub_model_for_a_local_folder(predictor, tmp_path):
+    """A predictor trained from a local folder ("models/tiny-mixtral" reads as a repo id too) names no base model."""
+    local = copy.deepcopy(predictor)
+    local.config.training["data"] = {"model": "models/tiny-mixtral", "model_is_local": True}
+    local.save_pretrained(tmp_path / "p", repo_id=REPO_ID)
+    card = (tmp_path / "p" / MODEL_CARD_NAME).read_text()
+    assert "base_model" not in card and "Trained on the routing of `models/tiny-mixtral`" in card
 
 
 def test_an_existing_model_card_is_kept(predictor, tmp_path):

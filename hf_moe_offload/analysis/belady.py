@@ -14,8 +14,9 @@ Example:
     (7, 10)
 
 Recording (a `LayerHook`):
-    >>> recorder = RoutingRecorder(predictions=True)                       # doctest: +SKIP
-    >>> hf_moe_offload.get_engine(model).add_hook(recorder)                 # doctest: +SKIP
+    >>> engine = hf_moe_offload.get_engine(model)                          # doctest: +SKIP
+    >>> recorder = RoutingRecorder(predictions=True).bind(engine)           # doctest: +SKIP
+    >>> engine.add_hook(recorder)                                           # doctest: +SKIP
     >>> model.generate(**inputs, max_new_tokens=32)                         # doctest: +SKIP
     >>> simulate(recorder.trace, slots=8, policy="belady").hit_rate         # doctest: +SKIP
 """
@@ -58,7 +59,8 @@ class RoutingRecorder(LayerHook):
     the engine's look-ahead guesses for the next layers (taken from its schedule planner, the same ones
     `eviction="lookahead"` is fed), so the simulated look-ahead policy sees what the real one would.
 
-    Attach it after the engine exists: `hf_moe_offload.get_engine(model).add_hook(RoutingRecorder(...))`.
+    Attach it after the engine exists: `engine.add_hook(RoutingRecorder(...).bind(engine))`, with `engine =
+    hf_moe_offload.get_engine(model)`; `predictions` need the `bind`.
     """
 
     def __init__(self, predictions: bool = False, depth: int = 2):
@@ -75,8 +77,11 @@ class RoutingRecorder(LayerHook):
         return self
 
     def before_experts(self, layer: int, hidden_states: torch.Tensor) -> None:
-        if not self.predictions or self._planner is None:
+        if not self.predictions:
             return
+        if self._planner is None:
+            raise RuntimeError("RoutingRecorder(predictions=True) records the engine's guesses: bind it to the "
+                               "engine first, engine.add_hook(RoutingRecorder(predictions=True).bind(engine))")
         nxt = layer
         for _ in range(self.depth):
             nxt = self._planner.layers[nxt].next

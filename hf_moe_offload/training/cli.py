@@ -262,7 +262,8 @@ def train(args: argparse.Namespace, command: str) -> dict:
 
     # What the cached router logits were collected from: a changed dataset file or dtype collects them again.
     info = {"dataset": args.dataset, "text_field": args.text_field, "max_length": args.max_length,
-            "chunk": args.chunk, "max_samples": args.max_samples, "model": str(args.model), "dtype": args.dtype,
+            "chunk": args.chunk, "max_samples": args.max_samples, "model": str(args.model),
+            "model_is_local": Path(args.model).expanduser().is_dir(), "dtype": args.dtype,
             "tokens_sha256": _tokens_digest(rows.input_ids)}
     need = routing_bytes(rows.num_tokens, fp["num_layers"], fp["num_experts"])
     tmp = None

@@ -65,9 +65,9 @@ class PredictorFilesMixin:
         directory.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
         weights = directory / WEIGHTS_NAME
-        # The metadata is part of the weights' bytes, hence of the recorded sha256: it must not change.
-        save_file(tensors, str(weights), metadata={"format": "pt", "hf_moe_offload": "hash_predictor",
-                                                   "format_version": str(FORMAT_VERSION)})
+        # The metadata is part of the weights' bytes, hence of the recorded sha256: it must not change, and one key
+        # only, since safetensors writes several in no fixed order (the same weights would hash differently).
+        save_file(tensors, str(weights), metadata={"hf_moe_offload": f"hash_predictor format {FORMAT_VERSION}"})
         self.config.weights_sha256 = _sha256(weights)
         with open(directory / CONFIG_NAME, "w", encoding="utf-8") as fh:
             json.dump(self.config.to_dict(), fh, indent=2, default=str)
@@ -255,10 +255,13 @@ def model_card(config: HashPredictorConfig, location: str = "<repo or dir>") -> 
     """The README.md of a predictor with `config`, used from `location` (a repo id or directory)."""
 
     c = config
-    trained_on = c.training.get("data", {}).get("model")
+    data = c.training.get("data", {})
+    trained_on = data.get("model")
+    # A local folder's path may read as a repo id ("models/mixtral"): the training record says which it was.
+    on_hub = trained_on and not data.get("model_is_local") and is_hub_repo_id(trained_on)
     metadata = ModelCardData(library_name=LIBRARY_NAME,
                              tags=["mixture-of-experts", "expert-prediction", "sida", "hf-moe-offload"],
-                             base_model=trained_on if trained_on and is_hub_repo_id(trained_on) else None)
+                             base_model=trained_on if on_hub else None)
     auto_class = "AutoModelForSeq2SeqLM" if c.model_type == "switch_transformers" else "AutoModelForCausalLM"
     source = f"\nTrained on the routing of `{trained_on}`.\n" if trained_on else ""
     return f"""---
