@@ -268,3 +268,36 @@ def test_share_cap_bounds_the_prefetches_per_layer_and_pass(tiny_models, predict
     uncapped, share = issued_for_a_sure_table(False)
     capped, _ = issued_for_a_sure_table(True)
     assert capped == share < uncapped
+
+
+def test_predicted_routing_of_a_call_does_not_depend_on_earlier_calls(tiny_models, tmp_path):
+    """generate(inputs_embeds=...) hashes no prompt ids: its decode steps start a new summary instead of going on
+    from the state an earlier, unrelated call left, so the same call routes to the same experts."""
+    torch.manual_seed(1)
+    predictor = HashPredictor.for_model(reference("mixtral", tiny_models["mixtral"]), d_model=16, lstm_hidden=16)
+    with torch.no_grad():                   # larger weights: the summary of earlier tokens decides the routing
+        for p in predictor.parameters():
+            p.mul_(2.0)
+    predictor.save(tmp_path / "predictor")
+    model = offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="50%",
+                      prefetch="none", routing="predicted", predictor=str(tmp_path / "predictor"))
+    routes = []
+
+    class Routes(hf_moe_offload.LayerHook):
+        def on_route(self, layer, experts):
+            routes.append((layer, tuple(experts)))
+
+    hf_moe_offload.get_engine(model).add_hook(Routes())
+    kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+    embeds = model.get_input_embeddings()(_ids(batch=2, length=6)).detach()
+
+    def routes_of_the_call() -> tuple[torch.Tensor, list]:
+        routes.clear()
+        tokens = model.generate(inputs_embeds=embeds, **kwargs)
+        return tokens, list(routes)
+
+    first = routes_of_the_call()
+    for seed in range(3):
+        model.generate(torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(10 + seed)), **kwargs)
+        again = routes_of_the_call()
+        assert torch.equal(again[0], first[0]) and again[1] == first[1]

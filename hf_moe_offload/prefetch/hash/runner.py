@@ -88,6 +88,7 @@ class _CallerState:
     own, so concurrent `generate` calls never mix their tokens' predictions."""
 
     state: object | None = None       # a causal predictor's summary of the tokens so far
+    seen: int | None = None           # how many tokens of the sequence it has summarized (None: unknown)
     batch: int = 0
     pending: Future | None = None
     table: Prediction | None = None
@@ -319,11 +320,14 @@ class HashPrefetcher(LayerHook):
                 logger.warning("hf_moe_offload: routing='predicted' is not applied under continuous batching "
                                "(generate_batch); the router decides")
                 self._warned_paged = True
-            caller.pending, caller.table = None, None
+            caller.pending, caller.table, caller.seen = None, None, None
             return
         _, past = kv_cache(kwargs)
-        new_sequence = past is None or past.get_seq_length() == 0 or caller.batch != ids.shape[0]
-        caller.batch = ids.shape[0]
+        past_length = 0 if past is None else past.get_seq_length()
+        # A cache that does not continue what the state summarized (another sequence's, a copied prefix, a pass the
+        # predictor did not see) starts a new summary: predictions never depend on an earlier, unrelated call.
+        new_sequence = past_length == 0 or caller.batch != ids.shape[0] or past_length != caller.seen
+        caller.batch, caller.seen = ids.shape[0], past_length + ids.shape[1]
         mask = kwargs.get("attention_mask")
         if mask is not None and (mask.dim() != 2 or mask.shape[0] != ids.shape[0] or mask.shape[1] < ids.shape[1]):
             mask = None                                      # e.g. a 4D mask: predict without padding info
