@@ -182,14 +182,15 @@ def _plan(args: argparse.Namespace) -> int:
     from .planning.auto_plan import profile_origin
     from .planning.planner import ModelShape, make_plan
     from .planning.profile import load_profile
-    from .policy.offload_policy import parse_size
+    from .policy.offload_policy import SizeField, parse_size
 
     config = model_config(args.model)
     check_model(config, args.model, command="plan", causal=True)   # its roofline models decoder-only generation
     profile = load_profile(args.profile)
     # a share ("50%") is of what the budget defaults to: the profile's device memory, host memory on a CPU profile
     whole = profile.device_memory_bytes or profile.host_memory_bytes
-    budget = None if args.device_memory is None else parse_size(args.device_memory, total=whole)
+    size_of = SizeField("--device-memory", share_of="the profile's device memory", auto=False)
+    budget = None if args.device_memory is None else parse_size(args.device_memory, whole, size_of)
     plan = make_plan(ModelShape.from_pretrained(args.model), profile, args.batch, args.prompt_len, args.gen_len,
                      device_memory=budget, store=args.store)
     print(f"profile: {profile.name}{profile_origin(args.profile)}")

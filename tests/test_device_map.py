@@ -141,6 +141,9 @@ def _watch_allocations(monkeypatch) -> list:
     ("everywhere", None, "allowed"),
     (None, {"cpu": "1GiB"}, "needs a device_map"),
     ("auto", {"cuda:3": "1GiB"}, "cuda:3"),
+    ("auto", {"cpu": "64 gigs"}, r"max_memory\['cpu'\]='64 gigs' is not a size; allowed: .*'1\.5GB' \(rounded down to "
+                                 r"whole bytes\)$"),
+    ("auto", {"cpu": "50%"}, r"max_memory\['cpu'\]='50%' is not a size"),
 ])
 def test_bad_maps_are_refused_before_anything_is_allocated(mixtral, monkeypatch, device_map, max_memory, message):
     path = mixtral[0]

@@ -125,7 +125,11 @@ def test_plan_cli_takes_a_share_of_the_profiles_device_memory(capsys):
     assert main([*args, "0.00001%"]) == 2                   # a few KiB of a T4: too small for the model
     assert "smallest workable" in capsys.readouterr().err
     assert main([*args, "150%"]) == 2
-    assert "150%" in capsys.readouterr().err
+    assert "--device-memory='150%' is outside 0%..100%: a share is of the profile's device memory" in \
+        capsys.readouterr().err
+    assert main([*args, "auto"]) == 2
+    err = capsys.readouterr().err
+    assert "--device-memory='auto' is not a size" in err and "expert" not in err
 
 
 # ------------------------------------------------------------------ the cost model's profile fields and "auto"

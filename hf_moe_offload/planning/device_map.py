@@ -41,7 +41,8 @@ from torch import nn
 
 from ..layout import MoELayer
 from ..memory.cache_group import DevicePlan
-from ..policy.offload_policy import AUTO, OffloadPolicy, PolicyError, format_bytes, normalize_device, parse_size
+from ..policy.offload_policy import (AUTO, OffloadPolicy, PolicyError, SizeField, format_bytes, normalize_device,
+                                     parse_size)
 from .footprint import Footprint, auto_device, free_bytes, headroom_bytes, workload
 from .resolve import ResolvedPolicy, check_placement, resolve, resolve_micro_batches
 
@@ -185,13 +186,7 @@ def _parse_max_memory(max_memory: Any) -> dict[str, int]:
     limits = {}
     for key, value in max_memory.items():
         name = _logical_name(key, "max_memory")
-        try:
-            limits[name] = parse_size(value, total=0) if not isinstance(value, str) or "%" not in value else None
-        except PolicyError as err:
-            raise PolicyError(f"max_memory[{key!r}]={value!r}: {err}") from None
-        if limits[name] is None:
-            raise PolicyError(f"max_memory[{key!r}]={value!r}: a share is not allowed here; allowed: bytes or a "
-                              f"size such as '20GiB'")
+        limits[name] = parse_size(value, 0, SizeField(f"max_memory[{key!r}]", share_of=None, auto=False))
     return limits
 
 

@@ -71,8 +71,23 @@ _NUMBER = r"[+-]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)"
 _SIZE_RE = re.compile(rf"^\s*({_NUMBER})\s*([a-zA-Z]*)\s*$")
 _PERCENT_RE = re.compile(rf"^\s*({_NUMBER})\s*%\s*$")
 _NON_FINITE = ("nan", "inf", "infinity")
-ALLOWED_SIZES = ("allowed: a whole number of bytes >= 0 (an int), a size such as '512MiB', '6GiB' or '1.5GB' "
-                 "(rounded down to whole bytes), a share of all expert bytes from '0%' to '100%', or 'auto'")
+@dataclass(frozen=True)
+class SizeField:
+    """What a size names, for `parse_size`'s errors: the field, what a share is of (None: no share), and whether
+    "auto" is allowed."""
+
+    name: str = "expert_cache"
+    share_of: str | None = "all expert bytes"
+    auto: bool = True
+
+    def allowed(self) -> str:
+        share = f", a share of {self.share_of} from '0%' to '100%'" if self.share_of else ""
+        auto = ", or 'auto'" if self.auto else ""
+        return (f"allowed: a whole number of bytes >= 0 (an int), a size such as '512MiB', '6GiB' or '1.5GB' "
+                f"(rounded down to whole bytes){share}{auto}")
+
+
+EXPERT_CACHE = SizeField()
 
 
 def _quoted(*names: str) -> str:
@@ -428,59 +443,60 @@ def normalize_device(device: str | int | torch.device) -> torch.device:
     return torch.device("cuda", index)
 
 
-def parse_size(value: int | float | str, total: int) -> int:
+def parse_size(value: int | float | str, total: int, size_of: SizeField = EXPERT_CACHE) -> int:
     """Whole bytes from an int, a size string, or a percentage of `total`; exact for any magnitude.
 
     A bare number of bytes must be whole (an int, an integral float, "1234"); a size with a unit is rounded down
     to whole bytes. A share must lie between 0% and 100%. Sizes larger than what exists are returned as given (the
-    caller caps them).
+    caller caps them). `size_of`: what the size is for, which the errors name (default: `expert_cache`).
 
     Example:
         >>> parse_size("1.5GB", 0), parse_size("25%", 400), parse_size("1" + "0" * 30, 0)
         (1500000000, 100, 1000000000000000000000000000000)
     """
     if isinstance(value, bool):       # bool is an int subclass: True would silently mean 1 byte
-        raise _size_error(value, "is a bool, not a size")
+        raise _size_error(value, "is a bool, not a size", size_of)
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise _size_error(value, "is not a finite number")
-        return _whole_bytes(value, Fraction(value), rounded=False)
+            raise _size_error(value, "is not a finite number", size_of)
+        return _whole_bytes(value, Fraction(value), False, size_of)
     if isinstance(value, int):
-        return _whole_bytes(value, Fraction(value), rounded=False)
+        return _whole_bytes(value, Fraction(value), False, size_of)
     if isinstance(value, str):
         if value.strip().lower().lstrip("+-") in _NON_FINITE:
-            raise _size_error(value, "is not a finite number")
+            raise _size_error(value, "is not a finite number", size_of)
         pct = _PERCENT_RE.match(value)
-        if pct:
-            return _share(value, Fraction(pct.group(1)), total)
+        if pct and size_of.share_of:
+            return _share(value, Fraction(pct.group(1)), total, size_of)
         m = _SIZE_RE.match(value)
         if m and m.group(2).lower() in _UNITS:
             unit = _UNITS[m.group(2).lower()]
-            return _whole_bytes(value, Fraction(m.group(1)) * unit, rounded=unit > 1)
+            return _whole_bytes(value, Fraction(m.group(1)) * unit, unit > 1, size_of)
     if isinstance(value, str):
-        raise PolicyError(f"expert_cache={value!r} is not a size; {ALLOWED_SIZES}{did_you_mean(value, [AUTO])}")
-    raise _size_error(value, f"has type {type(value).__name__}, not a size")
+        hint = did_you_mean(value, [AUTO]) if size_of.auto else ""
+        raise PolicyError(f"{size_of.name}={value!r} is not a size; {size_of.allowed()}{hint}")
+    raise _size_error(value, f"has type {type(value).__name__}, not a size", size_of)
 
 
-def _whole_bytes(value: Any, amount: Fraction, rounded: bool) -> int:
+def _whole_bytes(value: Any, amount: Fraction, rounded: bool, size_of: SizeField) -> int:
     """`amount` as whole bytes: negative is refused; a fraction is rounded down only when a unit was given."""
     if amount < 0:
-        raise _size_error(value, "is negative")
+        raise _size_error(value, "is negative", size_of)
     if not rounded and amount.denominator != 1:
-        raise _size_error(value, "is not a whole number of bytes")
+        raise _size_error(value, "is not a whole number of bytes", size_of)
     return math.floor(amount)
 
 
-def _share(value: str, percent: Fraction, total: int) -> int:
+def _share(value: str, percent: Fraction, total: int, size_of: SizeField) -> int:
     """`percent` of `total` bytes, rounded down; a share outside 0%..100% is refused rather than capped."""
     if not 0 <= percent <= 100:
-        raise PolicyError(f"expert_cache={value!r} is outside 0%..100%: a share is of all expert bytes (100% keeps "
-                          f"every expert on the device); {ALLOWED_SIZES}")
+        raise PolicyError(f"{size_of.name}={value!r} is outside 0%..100%: a share is of {size_of.share_of}; "
+                          f"{size_of.allowed()}")
     return math.floor(total * percent / 100)
 
 
-def _size_error(value: Any, reason: str) -> PolicyError:
-    return PolicyError(f"expert_cache={value!r} {reason}; {ALLOWED_SIZES}")
+def _size_error(value: Any, reason: str, size_of: SizeField) -> PolicyError:
+    return PolicyError(f"{size_of.name}={value!r} {reason}; {size_of.allowed()}")
 
 
 def _warn_bare_size(value: Any, amount: int) -> None:
