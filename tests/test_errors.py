@@ -126,3 +126,18 @@ def test_experts_tensor_missing_from_checkpoint_is_reported(tiny_models, tmp_pat
             save_file(kept, f, metadata={"format": "pt"})
     with pytest.raises(CheckpointError, match="expert 3 of model.layers.0.mlp.experts"):
         offloaded_any(path, {"device": "cpu", "store": "disk", "expert_cache": "50%"})
+
+
+def test_one_tensor_missing_of_an_expert_names_the_ones_there(tiny_models, tmp_path):
+    """The error lists every key prefix it looked under and the expert's tensors that are there."""
+    from safetensors.torch import load_file, save_file
+    path = _copy(tiny_models["mixtral"], tmp_path / "m")
+    for shard in _shards(path):
+        f = os.path.join(path, shard)
+        tensors = load_file(f)
+        kept = {k: v for k, v in tensors.items() if not k.endswith("experts.3.w1.weight")}
+        if len(kept) != len(tensors):
+            save_file(kept, f, metadata={"format": "pt"})
+    with pytest.raises(CheckpointError, match=r"looked under .*block_sparse_moe\.experts.*it has only "
+                                              r"\['model\.layers\.0\.block_sparse_moe\.experts\.3\.w2\.weight'"):
+        offloaded_any(path, {"device": "cpu", "store": "disk", "expert_cache": "50%"})

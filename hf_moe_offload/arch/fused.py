@@ -344,10 +344,13 @@ class FusedExpertsArch(MoEArch):
                     return [gate_piece,
                             weight_piece(index, "gate_up", gate_piece.source.shape[0], keys[1]),
                             weight_piece(index, "down", 0, keys[2])]
-        raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked for "
-                              f"{checkpoint_key_candidates(name, renames)[0]}.{expert}.<{first}>.weight with "
-                              f"<{first}> one of {sorted({n[0] for n in name_sets})} and the fused "
-                              f"{_PARAMS[first]}/down_proj keys)")
+        prefixes = checkpoint_key_candidates(name, renames)
+        # The expert's tensors that are there: a set with one name missing says which
+        present = sorted(k for k in index.keys() if any(k.startswith(f"{p}.{expert}.") for p in prefixes))
+        raise CheckpointError(f"checkpoint {index.root} has no tensors for expert {expert} of {name} (looked under "
+                              f"{', '.join(prefixes)} for <prefix>.{expert}.<{first}>.weight with <{first}> one of "
+                              f"{sorted({n[0] for n in name_sets})} and the fused {_PARAMS[first]}/down_proj keys)"
+                              + (f"; it has only {present}" if present else ""))
 
     def expert_tensors(self, module: nn.Module, expert: int) -> dict[str, torch.Tensor]:
         return {part: getattr(module, _PARAMS[part]).data[expert] for part, _ in self.layout(module).parts}
