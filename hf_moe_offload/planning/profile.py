@@ -337,8 +337,7 @@ def load_profile(spec: str | os.PathLike | None = None) -> MachineProfile:
             raise
         except ProfileError as err:
             # Read on every load with a planned field left "auto": a damaged cache must be seen, not just skipped.
-            logger.warning("hf_moe_offload: ignoring the cached machine profile: %s. Delete it or re-run "
-                           "`hf-moe-offload profile`", err)
+            logger.warning("hf_moe_offload: ignoring the cached machine profile: %s (or delete it)", err)
             raise
     if str(spec) in SHIPPED_PROFILES:
         return MachineProfile.load(shipped_profile_path(str(spec)))

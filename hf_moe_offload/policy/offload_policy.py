@@ -374,8 +374,8 @@ class OffloadPolicy:
                               f"the predictor names experts for the whole batch's tokens, a micro-batch holds some "
                               f"of them; use micro_batches=1")
         if needs_predictor and not self.predictor:
-            raise PolicyError(f"{' and '.join(needs_predictor)} needs a predictor: set predictor='<directory "
-                              f"written by scripts/train_hash.py>'")
+            raise PolicyError(f"{' and '.join(needs_predictor)} needs a predictor: set predictor= to the directory "
+                              f"`hf-moe-offload train-hash` wrote, or a Hub repo id holding one")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -249,9 +249,11 @@ class OffloadEngine:
             probe = torch.empty(0, dtype=self.store.compute_dtype, device=device)
             converted = fn(probe)
             if converted.dtype != probe.dtype or converted.device != probe.device:
+                change = " and ".join(([f"moving it to {converted.device}"] if converted.device != probe.device
+                                       else []) + ([f"casting it to {converted.dtype}"]
+                                                   if converted.dtype != probe.dtype else []))
                 raise PolicyError(f"this model's experts are offloaded by hf_moe_offload as {probe.dtype} for "
-                                  f"{device}; moving it to {converted.device} or casting it to "
-                                  f"{converted.dtype} would leave them behind. Call hf_moe_offload.disable(model) "
+                                  f"{device}; {change} would leave them behind. Call hf_moe_offload.disable(model) "
                                   f"first, or load with the dtype/device you want (offload_policy 'device', "
                                   f"from_pretrained dtype=, device_map=)")
         return nn.Module._apply(self.model, fn, recurse)
