@@ -383,6 +383,8 @@ class DiskStore(ExpertStore):
 
     def _direct_fd(self, path: str) -> int | None:
         """`path` opened for direct reads (once), checked to be the file indexed; None: its file system refuses."""
+        if path in self._direct_fds:
+            return self._direct_fds[path]
         buffered = self._fd(path)               # the file open since the store was made, whatever its name holds now
         with self._fds_lock:
             if path not in self._direct_fds:
