@@ -280,3 +280,11 @@ def test_a_model_dropped_without_disable_takes_its_prepacked_weights_along():
     del model
     gc.collect()
     assert all(r() is None for r in registrations)
+
+
+def test_copies_are_made_only_where_the_cpu_computes_bf16_itself(monkeypatch):
+    """oneDNN emulates bf16 on AVX-512 CPUs without avx512_bf16, where the packed kernel and F.linear may sum in
+    different orders: no packed copies there, F.linear's bits."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert not prepack_supported(torch.bfloat16)

@@ -86,6 +86,16 @@ def test_disable_puts_the_weights_back_in_memory(bf16_mixtral, every_size):
     assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
 
 
+def test_disable_under_inference_mode_gives_back_weights_that_train(bf16_mixtral, every_size):
+    model = offloaded("mixtral", bf16_mixtral, **DISK)
+    layers = _own_linears(model)
+    with torch.inference_mode():
+        hf_moe_offload.disable(model)
+    assert not any(p.is_inference() for p in model.parameters())
+    with torch.no_grad():
+        layers[-1].weight.mul_(1.0)              # an in-place update, as an optimizer makes
+
+
 def test_a_weight_that_differs_from_its_file_or_is_shared_stays_in_memory(bf16_mixtral, every_size):
     model = reference("mixtral", bf16_mixtral).to(torch.bfloat16)
     with torch.no_grad():

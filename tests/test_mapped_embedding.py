@@ -65,6 +65,16 @@ def test_disable_reads_the_table_into_memory(tiny_models):
     assert torch.equal(weight, reference("mixtral", path).get_input_embeddings().weight)
 
 
+def test_disable_under_inference_mode_gives_back_a_trainable_table(tiny_models):
+    model = offloaded("mixtral", tiny_models["mixtral"], **DISK, embedding="mapped")
+    with torch.inference_mode():
+        hf_moe_offload.disable(model)
+    weight = model.get_input_embeddings().weight
+    assert not weight.is_inference()
+    with torch.no_grad():
+        weight.mul_(1.0)                     # an in-place update, as an optimizer makes
+
+
 def test_mapped_is_refused_where_the_table_cannot_be_mapped(tiny_models, tmp_path):
     path = tiny_models["mixtral"]
     with pytest.raises(PolicyError, match=r"embedding='mapped' is not possible here: the checkpoint stores it as "

@@ -68,7 +68,9 @@ def map_input_embedding(model: nn.Module, plan: TensorEntry, required: bool, map
 def load_input_embedding(model: nn.Module) -> None:
     """Read the mapped table into memory, as transformers loads it (`disable()`: the model is its own again)."""
     module = model.get_input_embeddings()
-    module.weight = nn.Parameter(module.weight.detach().clone(), requires_grad=module.weight.requires_grad)
+    with torch.inference_mode(False):         # a parameter the caller may train, even if disabled under it
+        table = module.weight.detach().clone()
+    module.weight = nn.Parameter(table, requires_grad=module.weight.requires_grad)
 
 
 def _locate(skeleton: nn.Module, index: CheckpointIndex | None, dtype: torch.dtype, device: torch.device,

@@ -14,9 +14,10 @@ packed at once whatever the budget, its copy being the weight's only memory). A 
 CPU goes further (`pack_and_release`, `loading.finish`): every expert is packed at load and the slabs' pages are
 handed back, so the copies are the experts' only memory; a weight there without a current copy is refused rather
 than read (its bytes would read as zeros). A copy is remade if its weight was written in place since (the tensor's
-version counter). `state_dict()` and `disable()` read the store (the checkpoint again, for slabs handed back) and
-the parameters, never a packed copy, but for a weight left in the file, which `disable()` puts back in memory from
-its copy (the same bytes).
+version counter; a write through `.data` bumps none and is not seen: `disable()` then `enable()` after one).
+`state_dict()` and `disable()` read the store (the checkpoint again, for slabs handed back) and the parameters,
+never a packed copy, but for a weight left in the file, which `disable()` puts back in memory from its copy (the
+same bytes).
 
 Opt-in, approximate (`HF_MOE_OFFLOAD_CPU_GEMV=1`): one-row products as a float32 reduction compiled by
 `torch.compile` (inductor's C++ backend, dynamic shapes: one compile for every weight shape), which reads the plain
@@ -70,9 +71,12 @@ def _set_active(add: "PrepackedWeights | None" = None, remove: "PrepackedWeights
 
 
 def prepack_supported(dtype: torch.dtype) -> bool:
-    """Whether weights of `dtype` get a prepacked oneDNN copy on this machine (bfloat16 with oneDNN's bf16)."""
+    """Whether weights of `dtype` get a prepacked oneDNN copy on this machine: bfloat16, where the CPU computes bf16
+    itself (avx512_bf16 or AMX). oneDNN emulates bf16 on other AVX-512 CPUs, and there the packed kernel and
+    `F.linear` may sum in different orders with several threads: the copy would not give the same bits."""
     return (dtype == torch.bfloat16 and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+            and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()))
 
 
 def prepack_budget(available: int | None = None, total: int | None = None) -> int:
@@ -364,7 +368,8 @@ class DenseLinears:
         for module in self.packed_only:       # back in memory, from the copy (the same bytes): no file read
             weight = module.weight
             copy = self.in_place.copy_of(weight.detach())
-            dense = copy.to_dense() if copy is not None else weight.detach().clone()
+            with torch.inference_mode(False):   # a parameter the caller may train, even if disabled under it
+                dense = copy.to_dense() if copy is not None else weight.detach().clone()
             module.weight = nn.Parameter(dense, requires_grad=weight.requires_grad)
         self.modules, self.packed_only = [], []
         for registration in self.registrations:
