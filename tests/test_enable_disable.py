@@ -83,3 +83,15 @@ def test_an_offloaded_model_still_lists_its_moe_layers(tiny_models):
     names = [layer.name for layer in get_arch(model.config).find_layers(model)]
     hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
     assert [layer.name for layer in get_arch(model.config).find_layers(model)] == names
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_an_offloaded_model_counts_its_experts_among_its_parameters(tiny_models, family):
+    """`num_parameters()` (what lm-eval reports) is the model's, though the experts are no module parameters."""
+    ref = reference(family, tiny_models[family])
+    model = model_class(family).from_pretrained(tiny_models[family], offload_policy={
+        "device": "cpu", "store": "disk", "expert_cache": "50%"})
+    assert model.num_parameters() == ref.num_parameters()
+    assert model.num_parameters(exclude_embeddings=True) == ref.num_parameters(exclude_embeddings=True)
+    hf_moe_offload.disable(model)
+    assert model.num_parameters() == ref.num_parameters() and "num_parameters" not in vars(model)

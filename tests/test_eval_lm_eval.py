@@ -235,11 +235,33 @@ def test_cli_defaults_to_our_model_takes_hf_with_offload_args_and_adds_the_tasks
     ns = argparse.Namespace(command="run", model=None, model_args={}, include_path=None)
     _adjust(ns, MODEL_NAME)
     assert ns.model == MODEL_NAME
+    assert getattr(ns, "device", None) is None               # one process: lm-eval's default stands
+    ns = argparse.Namespace(command="run", model="hf", model_args={"pretrained": "p", "store": "disk"},
+                            include_path=None)
+    _adjust(ns, MODEL_NAME)
+    assert ns.model == MODEL_NAME                             # a policy field by its own name
+    ns = argparse.Namespace(command="run", model="hf", model_args={"pretrained": "p", "device": "cpu"},
+                            include_path=None)
+    _adjust(ns, MODEL_NAME)
+    assert ns.model == "hf"                                   # lm-eval's device is no policy field here
     for hf_key in ("offload_folder", "offload_buffers", "offload_state_dict"):   # transformers' own keywords
         ns = argparse.Namespace(command="run", model="hf", model_args={"pretrained": "p", hf_key: True},
                                 include_path=None)
         _adjust(ns, MODEL_NAME)
         assert ns.model == "hf", hf_key
+
+
+def test_several_processes_without_a_device_take_their_own_gpus(monkeypatch):
+    """lm-eval gives every process cuda:0 when --device is left out; launched several times on a CUDA machine, each
+    process takes its local rank's GPU instead, as with --device cuda."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ns = argparse.Namespace(command="run", model=None, model_args={}, include_path=None, device=None)
+    _adjust(ns, MODEL_NAME)
+    assert ns.device == "cuda"
+    ns = argparse.Namespace(command="run", model=None, model_args={}, include_path=None, device="cuda:1")
+    _adjust(ns, MODEL_NAME)
+    assert ns.device == "cuda:1"                              # a device given stays
 
 
 def test_shipped_tasks_load_from_any_working_directory(tmp_path, monkeypatch):

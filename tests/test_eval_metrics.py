@@ -82,6 +82,25 @@ def test_evaluate_loop_gives_the_same_accuracy(models):
     assert hf_moe_offload.stats(off)["misses"] > 0
 
 
+@pytest.mark.parametrize("add_bos", [True, False])
+def test_scores_are_lm_evals_loglikelihoods(eval_model, models, add_bos):
+    """The same log-likelihoods as lm-eval's HFLM, with a tokenizer that adds BOS and one that does not; contexts
+    ending in a space and an empty context included."""
+    hf = pytest.importorskip("lm_eval.models.huggingface")
+    from lm_eval.api.instance import Instance
+    from hf_moe_offload.integrations.scoring import continuation_logprobs
+
+    ref, _, _ = models
+    tok = AutoTokenizer.from_pretrained(eval_model, add_bos_token=add_bos)
+    pairs = [("The import statement", "imports a module"), ("A list comprehension ", "builds a list"),
+             ("", "def main"), ("x =", "1")]
+    ours = continuation_logprobs(ref, tok, pairs, batch_size=3, progress=False)
+    lm = hf.HFLM(pretrained=ref, tokenizer=tok, batch_size=3, softmax_dtype="float32")
+    requests = [Instance("loglikelihood", doc={}, arguments=(c, " " + x), idx=i) for i, (c, x) in enumerate(pairs)]
+    theirs = [score for score, _ in lm.loglikelihood(requests, disable_tqdm=True)]
+    assert ours == pytest.approx(theirs, rel=1e-5, abs=1e-4)
+
+
 def test_perplexity_equals_the_unpatched_models(models, texts):
     ref, off, tok = models
     hf_moe_offload.stats(off).reset()

@@ -28,9 +28,13 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 
+import torch
+
 from .._logging import configure_cli_logging
+from ..policy.offload_policy import field_names
 from . import quiet_custom_dataset_hint, tasks_dir
 from .cli_support import LOG_LEVELS, USER_ERRORS, check_model, given_flags, model_config, one_line
+from .distributed import launch_world
 from .policy_args import FOREIGN_PREFIXED, POLICY_KEY, PREFIX, accepted_keys
 
 logger = logging.getLogger(__name__)
@@ -89,14 +93,18 @@ def _adjust(args, model_name: str) -> None:
     """Our model by default / for ``hf`` with offload arguments; the shipped tasks on the include path."""
     if getattr(args, "command", None) == "run":
         model_args = args.model_args if isinstance(args.model_args, dict) else {}
-        offload_keys = sorted(k for k in model_args if k == POLICY_KEY or (k.startswith(PREFIX)
-                                                                           and k not in FOREIGN_PREFIXED))
+        bare = set(field_names()) - {"device"}      # lm-eval's own `device` is not a policy field here
+        offload_keys = sorted(k for k in model_args if k == POLICY_KEY or k in bare
+                              or (k.startswith(PREFIX) and k not in FOREIGN_PREFIXED))
         if args.model is None:
             args.model = model_name
         elif args.model in HF_NAMES and offload_keys:
             logger.info("--model %s with %s: running %s (lm-eval's hf model cannot load an offloaded model)",
                         args.model, offload_keys, model_name)
             args.model = model_name
+        if args.model == model_name and getattr(args, "device", None) is None and launch_world()[2] > 1 \
+                and torch.cuda.is_available():
+            args.device = "cuda"        # each process its local rank's GPU; lm-eval would give all of them cuda:0
     if hasattr(args, "include_path"):
         user = args.include_path
         paths = [] if not user else user.split(os.pathsep) if isinstance(user, str) else list(user)

@@ -1,8 +1,8 @@
 """Log-likelihoods of continuations under a causal LM, for `evaluate` loops over multiple-choice datasets.
 
-The scoring is lm-eval's: the continuation's tokens are those of `tokenize(context + delimiter + choice)` after the
-context's tokens, and the score is the sum of their log-probabilities given everything before them (with the BOS
-token first when the tokenizer has one).
+The scoring is lm-eval's (its HFLM's `loglikelihood`): the continuation's tokens are those of
+`tokenize(context + delimiter + choice)` after the context's, with the tokenizer's own special tokens, and the score
+is the sum of their log-probabilities given everything before them.
 
 Example: accuracy of an offloaded model on the shipped cloze task, with an offline `evaluate` metric:
     >>> import datasets, hf_moe_offload
@@ -26,11 +26,23 @@ from .perplexity import model_device
 
 
 def encode_pair(tokenizer, context: str, continuation: str, delimiter: str = " ") -> tuple[list[int], list[int]]:
-    """(context tokens with BOS first, continuation tokens), split the way lm-eval splits them."""
-    whole = tokenizer(context + delimiter + continuation, add_special_tokens=False)["input_ids"]
-    ctx = tokenizer(context, add_special_tokens=False)["input_ids"]
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    return bos + list(ctx), list(whole[len(ctx):])
+    """(context tokens, continuation tokens) of the request (context, delimiter + continuation), encoded as lm-eval's
+    HFLM encodes a causal one: with the tokenizer's own special tokens, the context's trailing spaces moved to the
+    continuation, the continuation's tokens those of the whole text after the context's; an empty context stands as
+    the BOS token (EOS without one)."""
+    continuation = delimiter + continuation
+    stripped = context.rstrip()
+    continuation, context = context[len(stripped):] + continuation, stripped
+    ctx = tokenizer(context)["input_ids"] if context else []
+    if not ctx:
+        cont = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+        prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+        if prefix is None:
+            raise ValueError(f"an empty context needs a BOS or EOS token to stand for it, and "
+                             f"{type(tokenizer).__name__} has neither")
+        return ([prefix], list(cont)) if not cont or cont[0] != prefix else (cont[:1], list(cont[1:]))
+    whole = tokenizer(context + continuation)["input_ids"]
+    return list(ctx), list(whole[len(ctx):])
 
 
 @torch.inference_mode()

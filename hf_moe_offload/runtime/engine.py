@@ -12,6 +12,7 @@ What the model keeps promising while offloaded:
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -228,6 +229,7 @@ class OffloadEngine:
             self._state_dict_hooks.append(handle)
         # An instance attribute shadows nn.Module._apply for this model only; `.to`, `.half`, `.cuda`... go there.
         self.model._apply = self._guarded_apply
+        self.model.num_parameters = self._num_parameters      # the experts are no module parameters now
         # generate() auto-compiles static-cache decoding on CUDA; the offloaded forward decides on the host at every
         # step (graph breaks, recompiles), so compiling it only costs time (F5). Restored on detach.
         config = getattr(self.model, "generation_config", None)
@@ -242,6 +244,15 @@ class OffloadEngine:
                 state_dict[prefix + name] = tensor
 
         return add_experts
+
+    def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """transformers' `num_parameters`, the offloaded experts counted in (they cannot be trained offloaded)."""
+        count = type(self.model).num_parameters(self.model, only_trainable=only_trainable,
+                                                exclude_embeddings=exclude_embeddings)
+        if only_trainable:
+            return count
+        return count + sum(layer.num_experts * sum(math.prod(shape) for _, shape in layer.layout.parts)
+                           for layer in self.layers)
 
     def _guarded_apply(self, fn, recurse: bool = True):
         # With several devices every one is probed: moving all to one of them would strand the others' caches.
@@ -297,6 +308,7 @@ class OffloadEngine:
         for handle in self._state_dict_hooks:
             handle.remove()
         del self.model._apply
+        del self.model.num_parameters
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.disable_compile = self._disable_compile_before
         if self.micro_batched is not None:
