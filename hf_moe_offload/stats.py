@@ -32,7 +32,8 @@
   experts are hot; differences between two snapshots give the experts a step touched);
 - `micro_batches`: decoder-layer calls run as micro-batches (`split`) or, with `micro_batches` > 1 in the policy,
   as one whole batch (`whole`: a single sequence, training, recorded outputs, a cache that cannot be split);
-- `forward_calls`: model forward passes, counted at the first MoE layer (a pass split into micro-batches counts once);
+- `forward_calls`: calls of the model's forward (one per generate step, also when split into micro-batches; an
+  encoder-decoder's encoder, run apart by generate, is not one);
 - `passes` / `last_schedule`: forward passes per schedule ("on_demand" or "stream", chosen per pass by its shape);
   `last_stream_window`: the stream window of the last streamed pass (policy `stream_window`);
   `measured`: per schedule, the passes timed (first MoE layer's start to the last one's end), seconds per pass and
@@ -349,9 +350,8 @@ class OffloadStats:
         with self._lock:
             self.layer["cpu_compute_s"][layer] += seconds
 
-    def record_forward(self, layer: int, experts: Sequence[int], new_pass: bool = True) -> None:
-        """A call of `layer` routed tokens to `experts` (distinct ids); `new_pass`: False for a micro-batch after
-        the first of a split call (one model forward, several calls of each layer)."""
+    def record_forward(self, layer: int, experts: Sequence[int]) -> None:
+        """A call of `layer` routed tokens to `experts` (distinct ids)."""
         with self._lock:
             self.layer["experts_used"][layer] += len(experts)
             calls = self.expert_calls[layer]
@@ -359,8 +359,11 @@ class OffloadStats:
                 calls.extend([0] * (max(experts) + 1 - len(calls)))
             for expert in experts:
                 calls[expert] += 1
-            if layer == 0 and new_pass:
-                self.forward_calls += 1
+
+    def record_model_forward(self) -> None:
+        """A call of the model's own forward (a generate step; an encoder-decoder's encoder runs apart)."""
+        with self._lock:
+            self.forward_calls += 1
 
     def set_resident(self, nbytes: int) -> None:
         with self._lock:

@@ -5,6 +5,7 @@ whole batch run at once where slicing would change what the caller gets."""
 from __future__ import annotations
 
 import contextlib
+import logging
 
 import pytest
 import torch
@@ -245,7 +246,7 @@ def test_two_threads_generating_with_micro_batches_get_their_own_tokens(tiny_mod
     assert hf_moe_offload.stats(model)["repeat_reads"] == 0
 
 
-def test_encoder_decoder_layers_run_whole_and_exact(tiny_models):
+def test_encoder_decoder_layers_run_whole_and_exact(tiny_models, caplog):
     """Switch Transformers' blocks take encoder states and an encoder-decoder cache this schedule does not split:
     every call runs whole, with the unpatched tokens."""
     path = tiny_models["switch_transformers"]
@@ -253,9 +254,12 @@ def test_encoder_decoder_layers_run_whole_and_exact(tiny_models):
     want = reference("switch_transformers", path).generate(input_ids=ids, attention_mask=mask, max_new_tokens=5,
                                                             do_sample=False)
     model = offloaded("switch_transformers", path, device="cpu", store="disk", expert_cache="60%", micro_batches=2)
-    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False), want)
+    with caplog.at_level(logging.WARNING, logger="hf_moe_offload"):
+        assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False),
+                           want)
     snap = hf_moe_offload.stats(model)
     assert snap["micro_batches"]["split"] == 0 and snap["micro_batches"]["whole"] > 0
+    assert "runs its whole batch at once instead of 2 micro-batches" in caplog.text     # said once, not hidden
 
 
 def test_a_base_model_call_recording_router_logits_runs_whole(tiny_models):

@@ -285,3 +285,18 @@ def test_a_streamed_pass_reads_the_next_passs_first_layer_before_it_ends(tiny_mo
     assert snap["repeat_reads"] == 0
     slab = hf_moe_offload.get_engine(model).store.slab_bytes(0)
     assert snap["bytes_to_device"] == (snap["misses"] + snap["prefetch_issued"]) * slab
+
+
+def test_an_encoder_decoders_streamed_encoder_reads_nothing_ahead_and_each_step_counts_once(tiny_models):
+    """Switch Transformers: after the encoder's pass comes the decoder's, so the encoder reads no experts ahead for
+    a "next pass" of its own (they were all wasted); `forward_calls` counts the model's forward, once a step."""
+    ids, mask = token_inputs(3, 12, seed=0)
+    model = offloaded("switch_transformers", tiny_models["switch_transformers"], device="cpu", store="disk",
+                      expert_cache="50%", schedule="stream", prefetch="none")
+    for _ in range(2):
+        model.generate(ids, attention_mask=mask, max_new_tokens=6, min_new_tokens=6, do_sample=False,
+                       pad_token_id=0)
+    snap = hf_moe_offload.stats(model)
+    first = next(layer.index for layer in hf_moe_offload.get_engine(model).layers if layer.name.startswith("encoder"))
+    assert snap["per_layer"][first]["readahead_issued"] == 0      # only a next pass would read the first layer
+    assert snap["forward_calls"] == 12

@@ -91,8 +91,7 @@ class LayerRuntime:
         """Count the layer's forward and tell the hooks its input and route; the `on_pinned` callback to give the
         cache (None without hooks)."""
         index, hooks = self.layer.index, self.engine.hooks
-        micro_batch = microbatch.current()
-        self.engine.stats.record_forward(index, experts, new_pass=micro_batch is None or micro_batch.index == 0)
+        self.engine.stats.record_forward(index, experts)
         if hidden_states is not None:
             for hook in hooks:
                 hook.before_experts(index, hidden_states)
@@ -137,7 +136,7 @@ class OffloadEngine:
         self.plan: dict | None = None   # the auto plan's prediction (`stats()["plan"]`), set by whoever resolved it
         # ContinuousBatchingConfig fields fixed for generate_batch without a config; the rest sized for offloading.
         self.batching_overrides: dict[str, Any] = {}
-        self._state_dict_hooks: list = []
+        self._model_hooks: list = []
         self.on_detach: list[Callable[[], None]] = []   # clean-ups owned by whoever attached (e.g. a spill dir)
         self.detach_checks: list[Callable[[], None]] = []   # run before detach changes anything; may raise
         self.micro_batched: microbatch.MicroBatchedLayers | None = None   # policy.micro_batches > 1
@@ -226,10 +225,12 @@ class OffloadEngine:
         for layer in self.layers:
             in_tree = self.model.get_submodule(layer.name)
             handle = in_tree.register_state_dict_post_hook(self._experts_into_state_dict(layer))
-            self._state_dict_hooks.append(handle)
+            self._model_hooks.append(handle)
         # An instance attribute shadows nn.Module._apply for this model only; `.to`, `.half`, `.cuda`... go there.
         self.model._apply = self._guarded_apply
         self.model.num_parameters = self._num_parameters      # the experts are no module parameters now
+        self._model_hooks.append(self.model.register_forward_pre_hook(
+            lambda module, args: self.stats.record_model_forward()))
         # generate() auto-compiles static-cache decoding on CUDA; the offloaded forward decides on the host at every
         # step (graph breaks, recompiles), so compiling it only costs time (F5). Restored on detach.
         config = getattr(self.model, "generation_config", None)
@@ -305,7 +306,7 @@ class OffloadEngine:
             hook.close()
         self.hooks.clear()
         self.prefetcher = None
-        for handle in self._state_dict_hooks:
+        for handle in self._model_hooks:
             handle.remove()
         del self.model._apply
         del self.model.num_parameters

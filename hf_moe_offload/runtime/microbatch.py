@@ -234,8 +234,8 @@ class MicroBatchedLayers:
                 self.on_split(False)
             if why not in self._warned and why != "one sequence":
                 self._warned.add(why)
-                logger.info("hf_moe_offload: a pass runs its whole batch at once instead of %d micro-batches: %s",
-                            self.count, why)
+                logger.warning("hf_moe_offload: a pass runs its whole batch at once instead of %d micro-batches: "
+                               "%s", self.count, why)
             with self._turn:      # another thread's split call may hold this layer's experts between its slices
                 return forward(*args, **kwargs)
         if self.on_split is not None:

@@ -124,7 +124,8 @@ class PassScheduler(LayerHook):
             schedule, tokens, start = timing
             self.counters.record_pass_time(schedule, tokens, time.perf_counter() - start)
             self._local.timing = None
-            self._read_next_pass_ahead()
+            if layer == max(self.layers):      # the stack each step runs again; after an encoder, the decoder's
+                self._read_next_pass_ahead()
 
     def widen_stream_window(self) -> None:
         """`stream_window="auto"` (the default window) on the CPU with no planned window: a streamed pass with at
@@ -137,10 +138,11 @@ class PassScheduler(LayerHook):
         return self.window
 
     def _read_next_pass_ahead(self) -> None:
-        """A streamed pass is done with its experts: read the first layer's experts of the next pass now, while the
-        head, sampling and the first attention run and the disk would idle. The experts this pass routed there are
-        the guess (a wide pass touches most of a layer's experts, and the next step's batch is mostly the same
-        sequences); the stream window bounds it, and a wrong guess costs only that idle disk time."""
+        """A streamed pass of the last stack (the one every step runs; Switch's decoder, not its encoder) is done
+        with its experts: read the first layer's experts of its next pass now, while the head, sampling and the
+        first attention run and the disk would idle. The experts this pass routed there are the guess (a wide pass
+        touches most of a layer's experts, and the next step's batch is mostly the same sequences); the stream
+        window bounds it, and a wrong guess costs only that idle disk time."""
         state = self._local
         if state.streaming and state.first_layer is not None and state.first_route:
             self.cache.begin_pass(state.window)   # these reads are the next pass's (not this one's repeat reads)
