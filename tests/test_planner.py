@@ -12,7 +12,7 @@ from transformers import AutoModelForCausalLM, MixtralConfig
 from hf_moe_offload.cli import main
 from hf_moe_offload.demo import DEMO_MODEL
 from hf_moe_offload.planning.planner import ModelShape, make_plan, memory_needed
-from hf_moe_offload.policy.offload_policy import PolicyError
+from hf_moe_offload.policy.offload_policy import OffloadPolicy, PolicyError
 from hf_moe_offload.planning.measure import measure
 from hf_moe_offload.planning.profile import MachineProfile, ProfileError, load_profile
 from hf_moe_offload.memory.cpu_kernels import prepack_supported
@@ -277,3 +277,30 @@ def test_a_cpu_store_feeding_cache_slots_is_planned_with_its_slots(monkeypatch, 
     else:
         assert {c.resident_share for c in weighed} == {slots / 64}
         assert streamed and all(slots >= c.stream_window + 2 for c in streamed)
+
+
+def test_a_faster_gpu_never_predicts_slower_with_cpu_attention(mixtral):
+    """CPU attention runs beside the device's work: shrinking the device's expert time cannot lengthen a layer."""
+    from hf_moe_offload.planning.planner import Candidate, predict
+    t4 = load_profile("t4")
+    cand = Candidate("on_demand", "on_demand", 0.9, 64 * 256, "cpu", 1)
+    rates = [predict(mixtral, dataclasses.replace(t4, device_flops=t4.device_flops * scale), cand, "cuda", "disk",
+                     64, 256, 64)[:2] for scale in (1, 4, 16, 64)]
+    assert all(b[0] >= a[0] and b[1] >= a[1] for a, b in zip(rates, rates[1:])), rates
+
+
+def test_a_plan_below_a_share_prints_a_cache_the_engine_takes(mixtral):
+    """A plan with no resident share still budgets a pass's working set: its policy names those bytes, not "0%"."""
+    plan = make_plan(mixtral, load_profile("t4"), batch=64, prompt_len=256, gen_len=64, device_memory=16 * GiB)
+    policy = plan.policy()
+    if plan.candidate.resident_share == 0:
+        assert isinstance(policy["expert_cache"], int) and policy["expert_cache"] >= 2 * mixtral.expert_bytes
+    OffloadPolicy.from_any({**policy, "device": "cpu"})  # a policy the package takes (this machine has no GPU)
+
+
+def test_the_smallest_workable_budget_named_in_the_error_is_workable(mixtral):
+    t4 = dataclasses.replace(load_profile("t4"), host_memory_bytes=32 * GiB)
+    with pytest.raises(PolicyError, match=r"smallest workable device memory is .* \(device_memory=(\d+)\)") as err:
+        make_plan(mixtral, t4, 64, 4096, 4096, device_memory=16 * GiB, store="disk")
+    minimum = int(str(err.value).rsplit("device_memory=", 1)[1].rstrip(")"))
+    assert make_plan(mixtral, t4, 64, 4096, 4096, device_memory=minimum, store="disk").device_memory_bytes <= minimum

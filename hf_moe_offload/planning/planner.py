@@ -168,6 +168,7 @@ class Plan:
     batch: int
     prompt_len: int
     gen_len: int
+    cache_bytes: int | None = None   # the expert cache budgeted: a share, or at least a pass's working set
 
     @property
     def schedule(self) -> str:
@@ -187,8 +188,11 @@ class Plan:
         """The offload policy fields this plan corresponds to."""
         schedule = (self.candidate.decode_schedule if self.candidate.decode_schedule == self.candidate.prefill_schedule
                     else "auto")
+        share = f"{self.candidate.resident_share * 100:g}%"
+        # "0%" is no cache the engine takes (a pass needs its working set): the bytes budgeted, then
+        expert_cache = share if self.cache_bytes is None or share != "0%" else self.cache_bytes
         return {"device": "cuda:0" if self.device == "cuda" else "cpu", "store": self.store,
-                "expert_cache": f"{self.candidate.resident_share * 100:g}%", "schedule": schedule,
+                "expert_cache": expert_cache, "schedule": schedule,
                 "attention": self.candidate.attention, "stream_window": self.candidate.stream_window,
                 "max_batch_size": self.batch,
                 "max_seq_len": self.prompt_len + self.gen_len}
@@ -306,8 +310,9 @@ def pipeline_seconds(cost: LayerCost, layers: int, schedule: str, window: int) -
     if schedule != "stream":
         reads_s = cost.reads * cost.read_s + cost.attn_io_s
         hits_s = per_expert * max(0.0, cost.touched - cost.reads)
-        rest = compute - cost.expert_s
-        layer = rest + max(hits_s, reads_s) + per_expert * min(cost.reads, cost.touched)
+        # CPU attention runs beside the device's work: the layer takes the longer of the two
+        device_s = cost.compute_s - cost.expert_s + max(hits_s, reads_s) + per_expert * min(cost.reads, cost.touched)
+        layer = max(cost.cpu_attn_s, device_s)
         return layers * layer, layers * max(0.0, reads_s - hits_s), layers * compute
     reads_s = cost.reads * (cost.read_s + per_expert / max(window, 1)) + cost.attn_io_s   # the window's coupling
     total, exposed, slack = 0.0, 0.0, 0.0
@@ -463,11 +468,12 @@ def make_plan(shape: ModelShape, profile: MachineProfile, batch: int, prompt_len
         if on_device > device_memory:
             continue
         pre, dec, overall, binding = predict(shape, profile, cand, device, store, batch, prompt_len, gen_len)
-        plan = Plan(cand, device, store, on_device, pre, dec, overall, binding, batch, prompt_len, gen_len)
+        cache = max(_working_set(shape, cand), round(cand.resident_share * shape.all_expert_bytes))
+        plan = Plan(cand, device, store, on_device, pre, dec, overall, binding, batch, prompt_len, gen_len, cache)
         if best is None or overall > best[0]:
             best = (overall, plan)
     if best is None:
-        minimum = _smallest_budget(shape, device, batch, prompt_len, gen_len)
+        minimum = smallest          # the least device memory of a candidate host memory can take (None: none)
         where = "device" if device == "cuda" else "host"
         raise PolicyError(f"no plan fits device_memory={format_bytes(device_memory)} for batch={batch} x "
                           f"{prompt_len + gen_len} tokens: the resident part is {format_bytes(shape.resident_bytes)}"
@@ -479,11 +485,3 @@ def make_plan(shape: ModelShape, profile: MachineProfile, batch: int, prompt_len
     logger.debug("hf_moe_offload %s", best[1].explain())
     return best[1]
 
-
-def _smallest_budget(shape: ModelShape, device: str, batch: int, prompt_len: int, gen_len: int) -> int | None:
-    """The least device memory any candidate needs (None: even that does not fit host memory)."""
-    needs = []
-    for attn in (("device", "cpu") if device == "cuda" else ("device",)):
-        cand = Candidate("on_demand", "on_demand", 0.0, prompt_len, attn)
-        needs.append(memory_needed(shape, cand, device, batch, prompt_len, gen_len)[0])
-    return min(needs)
