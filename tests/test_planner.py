@@ -304,3 +304,13 @@ def test_the_smallest_workable_budget_named_in_the_error_is_workable(mixtral):
         make_plan(mixtral, t4, 64, 4096, 4096, device_memory=16 * GiB, store="disk")
     minimum = int(str(err.value).rsplit("device_memory=", 1)[1].rstrip(")"))
     assert make_plan(mixtral, t4, 64, 4096, 4096, device_memory=minimum, store="disk").device_memory_bytes <= minimum
+
+
+def test_a_cpu_machine_whose_ram_holds_the_weights_but_not_the_kv_cache_is_planned_from_disk(mixtral):
+    """The store "auto" would pick (host memory: the weights fit) leaves no room for the KV cache: the disk store's
+    plan is given instead of an error."""
+    cpu = dataclasses.replace(load_profile("t4"), h2d_bytes_per_s=None, device_flops=None, device_memory_bytes=None,
+                              device_memory_bytes_per_s=None, device_name=None)
+    budget = mixtral.all_expert_bytes + mixtral.resident_bytes + GiB
+    plan = make_plan(mixtral, cpu, 64, 256, 64, device_memory=budget)
+    assert plan.store == "disk" and plan.device_memory_bytes <= budget

@@ -449,6 +449,7 @@ def make_plan(shape: ModelShape, profile: MachineProfile, batch: int, prompt_len
         device_memory = profile.device_memory_bytes if device == "cuda" else host_budget
     if isinstance(device_memory, bool) or not isinstance(device_memory, int) or device_memory < 1:
         raise PolicyError(f"device_memory must be a number of bytes >= 1, got {device_memory!r}")
+    chose_store = store is None
     if store is None:   # as "auto" decides: experts in host memory when they fit beside the rest
         # On the CPU device host-memory experts are used in place: they count against the budget too.
         limit = min(host_budget, device_memory) if device == "cpu" else host_budget
@@ -472,6 +473,8 @@ def make_plan(shape: ModelShape, profile: MachineProfile, batch: int, prompt_len
         plan = Plan(cand, device, store, on_device, pre, dec, overall, binding, batch, prompt_len, gen_len, cache)
         if best is None or overall > best[0]:
             best = (overall, plan)
+    if best is None and chose_store and store == "cpu":   # the weights fit, not the KV cache and activations too
+        return make_plan(shape, profile, batch, prompt_len, gen_len, device_memory, store="disk")
     if best is None:
         minimum = smallest          # the least device memory of a candidate host memory can take (None: none)
         where = "device" if device == "cuda" else "host"
