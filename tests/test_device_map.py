@@ -48,6 +48,18 @@ class _BudgetWatch(hf_moe_offload.LayerHook):
             self.asked[device] |= {key[0] for key in cache.resident}
 
 
+def test_stand_ins_of_one_device_get_equal_shares_while_its_free_memory_moves(mixtral, monkeypatch):
+    """Free memory read twice moves between the readings; stand-ins of one device still split the budget equally
+    (a budget of whole slots stays whole slots on each)."""
+    from hf_moe_offload.planning import device_map
+    readings = iter(range(10**10, 10**10 + 10**6, 997))
+    monkeypatch.setattr(device_map, "free_bytes", lambda device: next(readings))
+    with stand_in_devices("dev0", "dev1"):
+        model = _load(mixtral[0], SPLIT)
+    caches = hf_moe_offload.get_engine(model).cache.caches
+    assert caches["dev0"].num_slots == caches["dev1"].num_slots == 3
+
+
 def test_two_stand_in_devices_each_with_its_own_cache_give_the_unpatched_tokens(mixtral):
     path, ids, mask, expected, ref_logits = mixtral
     with stand_in_devices("dev0", "dev1"):

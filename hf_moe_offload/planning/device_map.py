@@ -32,7 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -215,7 +215,7 @@ def _accelerate_map(skeleton: nn.Module, kind: str, limits: Mapping[str, int], l
     first = infer({})
     # Second pass: the devices that hold MoE layers keep room for their share of the cache.
     devices = [_covering(first, lay.name, "cpu") for lay in layers]
-    shares = _split(_planned_total(policy, fp), {d: _weight(d, limits) for d in dict.fromkeys(devices)})
+    shares = _split(_planned_total(policy, fp), _weights(dict.fromkeys(devices), limits))
     return infer({d: b for d, b in shares.items() if d != "cpu" or policy.store == "disk"}) if shares else first
 
 
@@ -287,11 +287,20 @@ def module_map(skeleton: nn.Module, expert_names: Sequence[str], device_of: Call
     return placed
 
 
-def _weight(device: str, limits: Mapping[str, int]) -> int:
-    """How much of the budget `device` takes: the user's max_memory for it, else its free memory."""
-    if device in limits:
-        return limits[device]
-    return max(1, free_bytes(physical_device(device)))
+def _weights(devices: Iterable[str], limits: Mapping[str, int]) -> dict[str, int]:
+    """How much of the budget each device takes: the user's max_memory for it, else its free memory, read once per
+    physical device (stand-ins of one device get equal shares, not two readings of a memory that moves)."""
+    free: dict[torch.device, int] = {}
+    weights = {}
+    for device in devices:
+        if device in limits:
+            weights[device] = limits[device]
+            continue
+        physical = physical_device(device)
+        if physical not in free:
+            free[physical] = max(1, free_bytes(physical))
+        weights[device] = free[physical]
+    return weights
 
 
 def _split(total: int, weights: Mapping[str, int]) -> dict[str, int]:
@@ -333,7 +342,7 @@ def _budgets(policy: OffloadPolicy, fp: Footprint, primary: torch.device, layers
         resolved = dataclasses.replace(resolved, cache_bytes=total,
                                        policy=dataclasses.replace(resolved.policy, expert_cache=total))
     else:
-        weights = {d: _weight(d, limits) for d in slotted}
+        weights = _weights(slotted, limits)
         budgets.update(_split(resolved.cache_bytes, weights))
         _check_shares(policy, fp, resolved.cache_bytes, weights, budgets)
     for d in slotted:
