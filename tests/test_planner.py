@@ -314,3 +314,25 @@ def test_a_cpu_machine_whose_ram_holds_the_weights_but_not_the_kv_cache_is_plann
     budget = mixtral.all_expert_bytes + mixtral.resident_bytes + GiB
     plan = make_plan(mixtral, cpu, 64, 256, 64, device_memory=budget)
     assert plan.store == "disk" and plan.device_memory_bytes <= budget
+
+
+def test_the_auto_plan_sizes_a_float32_model_at_four_bytes_a_weight(monkeypatch):
+    """The footprint carries the compute dtype's width, and the auto plan's shape of the model uses it."""
+    from hf_moe_offload.arch import get_arch
+    from hf_moe_offload.planning import auto_plan
+    from hf_moe_offload.planning.footprint import footprint
+
+    config = MixtralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, num_local_experts=4, vocab_size=128)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    fp = footprint(skeleton, get_arch(config).find_layers(skeleton), torch.float32)
+    assert fp.dtype_bytes == 4
+    seen = []
+    real = auto_plan.shape_from_footprint
+    monkeypatch.setattr(auto_plan, "shape_from_footprint", lambda fp, dtype_bytes=2: seen.append(dtype_bytes)
+                        or real(fp, dtype_bytes))
+    given = OffloadPolicy(device="cpu", store="disk", expert_cache=fp.expert_bytes // 2, max_batch_size=8,
+                          max_seq_len=256)
+    auto_plan.plan_for_policy(given, dataclasses.replace(given, stream_window=2), fp, load_profile("t4"))
+    assert seen == [4]

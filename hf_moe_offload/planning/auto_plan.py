@@ -93,7 +93,7 @@ def plan_for_policy(policy: OffloadPolicy, resolved: OffloadPolicy, fp: Footprin
     profile = _planning_profile(resolved, profile)
     if profile is None:
         return resolved, None
-    shape, job = shape_from_footprint(fp), Job.of(resolved)
+    shape, job = shape_from_footprint(fp, fp.dtype_bytes), Job.of(resolved)
     best = _best_candidate(policy, resolved, shape, profile, free, job, fp.host_store_in_place)
     if best is None:
         return resolved, None

@@ -75,6 +75,7 @@ class Footprint:
     # Bytes of the non-expert part read in place from the checkpoint's files (a mapped input embedding table): out
     # of `resident_bytes`, which is what memory holds, but still weights a step computes with.
     mapped_bytes: int = 0
+    dtype_bytes: int = 2                  # bytes of one weight in the dtype the model computes in
 
     @property
     def min_cache_bytes(self) -> int:
@@ -315,7 +316,8 @@ def footprint(model: nn.Module, layers: list[MoELayer], dtype: torch.dtype,
     return Footprint(expert_bytes=experts, slab_bytes=slab, resident_bytes=resident, top_k=layers[0].top_k,
                      layer_experts=tuple(lay.num_experts for lay in layers), **sequence_costs(model.config, dtype),
                      cpu_attention_refusal=_cpu_attention_refusal(model), dequant_workspace_bytes=workspace,
-                     store_bytes=stored if dense_slots else 0, host_store_in_place=not (quantized and dense_slots))
+                     store_bytes=stored if dense_slots else 0, host_store_in_place=not (quantized and dense_slots),
+                     dtype_bytes=dtype.itemsize)
 
 
 def _cpu_attention_refusal(model: nn.Module) -> str | None:
