@@ -37,7 +37,7 @@ from ..storage.gguf_file import GGUFIndex, is_expert_tensor
 from ..storage.gguf_layout import GGUFSlabLayout
 from ..storage.store import CpuStore, DiskStore
 from .finish import check_attention, finish_offloading, load_predictor
-from .load import _HUB_KWARGS, _attach, _meta_skeleton, _offload_kwargs, _place
+from .load import HUB_KWARGS, _attach, _meta_skeleton, _offload_kwargs, _place
 from .transformers_patches import experts_left_unread
 
 # GGUF architectures (`general.architecture`) whose merged experts are read per expert: those transformers loads
@@ -64,7 +64,7 @@ def load_gguf_offloaded(model_cls: type, pretrained_model_name_or_path: str, pol
                           f"already quantized, kept in their GGUF blocks; allowed: quantize='none'")
     offload_folder, user_map, max_memory = _offload_kwargs(policy, kwargs)
     del offload_folder                                 # None: quantize is "none"
-    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     index = GGUFIndex.open(resolve_gguf_file(pretrained_model_name_or_path, gguf_file, **hub_kwargs))
     check_architecture(index)
     config = kwargs.get("config")

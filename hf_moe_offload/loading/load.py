@@ -58,7 +58,8 @@ from .transformers_patches import experts_left_unread
 
 logger = logging.getLogger(__name__)
 
-_HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "trust_remote_code", "subfolder")
+# The from_pretrained keywords that say where the checkpoint is (its config, its files)
+HUB_KWARGS = ("revision", "cache_dir", "token", "local_files_only", "trust_remote_code", "subfolder")
 
 
 @dataclass
@@ -76,7 +77,7 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
     """`from_pretrained` with experts offloaded according to `policy` (see `hf_moe_offload.from_pretrained`)."""
     policy = OffloadPolicy.from_any(policy)
     offload_folder, user_map, max_memory = _offload_kwargs(policy, kwargs)
-    hub_kwargs = {k: kwargs[k] for k in _HUB_KWARGS if k in kwargs}
+    hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     root = resolve_checkpoint_dir(pretrained_model_name_or_path, **hub_kwargs)
     config = kwargs.get("config")
     if config is None or isinstance(config, str):

@@ -20,12 +20,11 @@ from typing import Any
 from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, PreTrainedModel
 
 from .gguf import load_gguf_offloaded
-from .load import load_offloaded
+from .load import HUB_KWARGS, load_offloaded
 
 _ORIGINAL = PreTrainedModel.from_pretrained.__func__
 _LOAD_LOCK = threading.RLock()   # re-entrant: a load may load sub-models
-# `from_pretrained` keywords that also say where the config is
-_CONFIG_KWARGS = ("gguf_file", "subfolder", "revision", "cache_dir", "token", "local_files_only", "trust_remote_code")
+_CONFIG_KWARGS = (*HUB_KWARGS, "gguf_file")   # what says where the config is
 
 
 def _from_pretrained(cls, pretrained_model_name_or_path, *model_args, offload_policy: Any = None, **kwargs):
