@@ -12,7 +12,6 @@ What the model keeps promising while offloaded:
 from __future__ import annotations
 
 import logging
-import math
 from typing import Any, Callable, Iterator, Sequence
 
 import torch
@@ -252,8 +251,7 @@ class OffloadEngine:
                                                 exclude_embeddings=exclude_embeddings)
         if only_trainable:
             return count
-        return count + sum(layer.num_experts * sum(math.prod(shape) for _, shape in layer.layout.parts)
-                           for layer in self.layers)
+        return count + sum(layer.num_experts * layer.layout.numel for layer in self.layers)
 
     def _guarded_apply(self, fn, recurse: bool = True):
         # With several devices every one is probed: moving all to one of them would strand the others' caches.

@@ -70,6 +70,7 @@ class PassScheduler(LayerHook):
         self.window = policy.stream_window       # concrete once the policy is resolved
         self.widen = False                       # `widen_stream_window`: passes with many rows per expert get more
         self.layers = layer_records(engine)
+        self.last_layer = max(self.layers)      # of the last stack: the one every step runs again
         self.lookahead = RouterLookahead(engine, self.layers, gate)
         self._local = PassState()
         # CUDA stalls are timed by events and counted once settled: the look-ahead gate reads them at every pass.
@@ -124,7 +125,7 @@ class PassScheduler(LayerHook):
             schedule, tokens, start = timing
             self.counters.record_pass_time(schedule, tokens, time.perf_counter() - start)
             self._local.timing = None
-            if layer == max(self.layers):      # the stack each step runs again; after an encoder, the decoder's
+            if layer == self.last_layer:       # after an encoder's pass comes the decoder's, not its own
                 self._read_next_pass_ahead()
 
     def widen_stream_window(self) -> None:
