@@ -24,17 +24,23 @@ def _logits(model) -> torch.Tensor:
         return model(input_ids=ids, attention_mask=mask).logits
 
 
+def _assert_offloaded_as_transformers_loads(root, **where) -> None:
+    """`where` (subfolder=, variant=) picks other weights than the root's default, and the offloaded load of `root`
+    with it computes what transformers' own load with it computes."""
+    want = _logits(AutoModelForCausalLM.from_pretrained(root, **where).eval())
+    assert not torch.allclose(want, _logits(AutoModelForCausalLM.from_pretrained(root).eval()), atol=1e-3)
+    model = AutoModelForCausalLM.from_pretrained(root, **where, offload_policy=POLICY).eval()
+    assert get_engine(model) is not None
+    torch.testing.assert_close(_logits(model), want, rtol=1e-4, atol=1e-5)
+
+
 def test_a_subfolder_loads_the_experts_of_that_subfolder(tmp_path):
     """A repository holding one checkpoint at its root and another in `sub/`: `subfolder="sub"` gives the
     subfolder's model, experts included."""
     root = tmp_path / "two_checkpoints"
     build_tiny("mixtral", root, seed=0)
     build_tiny("mixtral", root / "sub", seed=1)
-    want = _logits(AutoModelForCausalLM.from_pretrained(root, subfolder="sub").eval())
-    assert not torch.allclose(want, _logits(AutoModelForCausalLM.from_pretrained(root).eval()), atol=1e-3)
-    model = AutoModelForCausalLM.from_pretrained(root, subfolder="sub", offload_policy=POLICY).eval()
-    assert get_engine(model) is not None
-    torch.testing.assert_close(_logits(model), want, rtol=1e-4, atol=1e-5)
+    _assert_offloaded_as_transformers_loads(root, subfolder="sub")
 
 
 def test_a_variant_loads_the_experts_of_that_variant(tmp_path):
@@ -43,11 +49,7 @@ def test_a_variant_loads_the_experts_of_that_variant(tmp_path):
     build_tiny("mixtral", root, seed=0)
     build_tiny("mixtral", root, seed=1, variant="v2")
     assert {"model.safetensors", "model.v2.safetensors"} <= set(os.listdir(root))
-    want = _logits(AutoModelForCausalLM.from_pretrained(root, variant="v2").eval())
-    assert not torch.allclose(want, _logits(AutoModelForCausalLM.from_pretrained(root).eval()), atol=1e-3)
-    model = AutoModelForCausalLM.from_pretrained(root, variant="v2", offload_policy=POLICY).eval()
-    assert get_engine(model) is not None
-    torch.testing.assert_close(_logits(model), want, rtol=1e-4, atol=1e-5)
+    _assert_offloaded_as_transformers_loads(root, variant="v2")
 
 
 def test_the_package_loader_finds_a_checkpoint_in_a_subfolder(tmp_path):
