@@ -336,3 +336,60 @@ def test_the_auto_plan_sizes_a_float32_model_at_four_bytes_a_weight(monkeypatch)
                           max_seq_len=256)
     auto_plan.plan_for_policy(given, dataclasses.replace(given, stream_window=2), fp, load_profile("t4"))
     assert seen == [4]
+
+
+@pytest.mark.parametrize("batch, prompt_len, gen_len, budget_gib", [(16, 512, 128, 16), (64, 512, 64, 16),
+                                                                     (8, 2048, 512, 12)])
+def test_the_resident_share_takes_the_memory_the_kv_cache_and_activations_leave(mixtral, batch, prompt_len,
+                                                                                gen_len, budget_gib):
+    """Cached experts pay off at every batch here, so the plan fills the budget: "all that fits" is sized beside
+    the KV cache and activations of each candidate, not beside the resident part alone."""
+    plan = make_plan(mixtral, load_profile("t4"), batch=batch, prompt_len=prompt_len, gen_len=gen_len,
+                     device_memory=budget_gib * GiB)
+    assert plan.candidate.resident_share > 0
+    assert budget_gib * GiB - mixtral.expert_bytes < plan.device_memory_bytes <= budget_gib * GiB
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16, 64, 512])
+@pytest.mark.parametrize("prompt_len", [16, 512])
+@pytest.mark.parametrize("budget_gib", [12, 48])
+def test_the_printed_schedule_runs_each_phase_as_planned(mixtral, batch, prompt_len, budget_gib):
+    """A plan whose phases differ prints schedule="auto": the engine's per-pass rule must then give each phase
+    the schedule the plan predicted with (a pass is wide by its own tokens: the prefill pass's, the batch's)."""
+    from hf_moe_offload.runtime.pass_scheduler import is_wide_pass
+    plan = make_plan(mixtral, load_profile("t4"), batch=batch, prompt_len=prompt_len, gen_len=64,
+                     device_memory=budget_gib * GiB)
+    cand, schedule = plan.candidate, plan.policy()["schedule"]
+
+    def runs(tokens: int) -> str:
+        if schedule != "auto":
+            return schedule
+        return "stream" if is_wide_pass(tokens, mixtral.top_k, mixtral.experts) else "on_demand"
+    assert (runs(cand.micro_batch), runs(batch)) == (cand.prefill_schedule, cand.decode_schedule)
+
+
+@pytest.mark.parametrize("store", ["disk", "cpu"])
+@pytest.mark.parametrize("batch", [1, 8, 64, 256])
+@pytest.mark.parametrize("max_seq_len", [32, 2048])
+def test_auto_plans_only_schedules_the_engine_runs(store, batch, max_seq_len):
+    """`schedule="auto"` sets a schedule only where one is forced for both phases; otherwise the engine's per-pass
+    rule runs, so a plan must not predict with a pair of schedules that rule does not give."""
+    from hf_moe_offload.planning.auto_plan import plan_for_policy
+    from hf_moe_offload.planning.footprint import Footprint
+    from hf_moe_offload.runtime.pass_scheduler import is_wide_pass
+    expert = 3 * 4096 * 14336 * 2                     # Mixtral-8x7B's, in bf16
+    fp = Footprint(expert_bytes=32 * 8 * expert, slab_bytes=expert, resident_bytes=3 * GiB, top_k=2,
+                   kv_bytes_per_token=128 << 10, layer_experts=(8,) * 32)
+    for share in (0.05, 0.2, 0.6):
+        policy = OffloadPolicy(device="cuda:0", store=store, max_batch_size=batch, max_seq_len=max_seq_len)
+        resolved = dataclasses.replace(policy, expert_cache=int(share * fp.expert_bytes), schedule="auto",
+                                       stream_window=2, attention="device")
+        planned, summary = plan_for_policy(policy, resolved, fp, load_profile("t4"))
+        job = summary["job"]
+
+        def runs(tokens: int) -> str:
+            if planned.schedule != "auto":
+                return planned.schedule
+            return "stream" if is_wide_pass(tokens, fp.top_k, 8) else "on_demand"
+        ran = f"prefill {runs(job['batch'] * job['prompt_len'])}, decode {runs(job['batch'])}"
+        assert ran == summary["schedule"], (share, planned.schedule)

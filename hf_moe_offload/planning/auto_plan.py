@@ -32,7 +32,7 @@ from ..policy.offload_policy import AUTO, DEFAULT_STREAM_WINDOW, OffloadPolicy
 from ..runtime.pass_scheduler import is_wide_pass
 from .footprint import Footprint
 from .measure import format_duration
-from .planner import STREAM_WINDOWS, Candidate, ModelShape, predict
+from .planner import STREAM_WINDOWS, Candidate, ModelShape, predict, runnable_schedules
 from .profile import SHIPPED_PROFILES, MachineProfile, ProfileError, default_profile_path, load_profile
 
 logger = logging.getLogger(__name__)
@@ -187,6 +187,8 @@ def _best_candidate(policy: OffloadPolicy, resolved: OffloadPolicy, shape: Model
     best = None
     for pre in _schedule_options(prompt_tokens, shape, free, policy.schedule):
         for dec in _schedule_options(job.batch, shape, free, policy.schedule):
+            if not runnable_schedules(shape, pre, dec, prompt_tokens, job.batch):
+                continue
             streams = "stream" in (pre, dec)
             for window in (windows if streams else (int(resolved.stream_window),)):
                 if streams and not zero_copy and slots < window + shape.top_k:

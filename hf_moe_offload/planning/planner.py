@@ -409,25 +409,42 @@ def _working_set(shape: ModelShape, cand: Candidate) -> int:
     return slots * shape.expert_bytes
 
 
-def candidates(shape: ModelShape, device: str, batch: int, prompt_len: int, budget: int) -> list[Candidate]:
+def runnable_schedules(shape: ModelShape, prefill: str, decode: str, prefill_tokens: int, batch: int) -> bool:
+    """Whether a policy can ask the engine for this pair: one schedule forced for every pass, or, where the two
+    differ, `schedule="auto"`, whose per-pass rule must give each phase its own."""
+    if prefill == decode:
+        return True
+    rule = ["stream" if is_wide_pass(n, shape.top_k, shape.experts) else "on_demand" for n in (prefill_tokens, batch)]
+    return [prefill, decode] == rule
+
+
+def candidates(shape: ModelShape, device: str, batch: int, prompt_len: int, gen_len: int, budget: int
+               ) -> list[Candidate]:
     """Every policy the planner weighs for this job."""
     prompt_tokens = batch * prompt_len
     micro = sorted({min(prompt_tokens, m) for m in (prompt_len, 256, 1024, 4096, prompt_tokens)})
-    fixed = shape.resident_bytes + CUDA_HEADROOM_FLOOR * (device == "cuda")
-    fits = max(0.0, min(1.0, (budget - fixed) / shape.all_expert_bytes))
-    shares = sorted({s for s in RESIDENT_SHARES if s <= fits} | {math.floor(fits * 1000) / 1000})
     attentions = ("device", "cpu") if device == "cuda" else ("device",)
 
     def schedules(tokens: int) -> tuple[str, ...]:
         return ("on_demand", "stream") if is_wide_pass(tokens, shape.top_k, shape.experts) else ("on_demand",)
 
+    def shares(micro_batch: int, attention: str) -> list[float]:
+        # "All that fits" beside what this micro-batch and attention placement need (KV cache, activations).
+        bare = Candidate("on_demand", "on_demand", 0.0, micro_batch, attention, DEFAULT_STREAM_WINDOW)
+        rest = memory_needed(shape, bare, device, batch, prompt_len, gen_len)[0] - _working_set(shape, bare)
+        fits = max(0.0, min(1.0, (budget - rest) / shape.all_expert_bytes))
+        return sorted({s for s in RESIDENT_SHARES if s <= fits} | {math.floor(fits * 1000) / 1000})
+
     out = []
     for m in micro:
-        for pre in schedules(m):
-            for dec in schedules(batch):
-                windows = STREAM_WINDOWS if "stream" in (pre, dec) else (DEFAULT_STREAM_WINDOW,)
-                for share in shares:
-                    for attn in attentions:
+        for attn in attentions:
+            fitting = shares(m, attn)
+            for pre in schedules(m):
+                for dec in schedules(batch):
+                    if not runnable_schedules(shape, pre, dec, m, batch):
+                        continue
+                    windows = STREAM_WINDOWS if "stream" in (pre, dec) else (DEFAULT_STREAM_WINDOW,)
+                    for share in fitting:
                         for window in windows:
                             out.append(Candidate(pre, dec, share, m, attn, window))
     return out
@@ -458,7 +475,7 @@ def make_plan(shape: ModelShape, profile: MachineProfile, batch: int, prompt_len
         raise PolicyError(f"store must be 'cpu' or 'disk', got {store!r}")
     best: tuple[float, Plan] | None = None
     smallest = None
-    for cand in candidates(shape, device, batch, prompt_len, device_memory):
+    for cand in candidates(shape, device, batch, prompt_len, gen_len, device_memory):
         if device == "cpu" and store == "cpu":   # host-memory experts are used in place: all resident
             cand = dataclasses.replace(cand, resident_share=1.0)
         on_device, on_host = memory_needed(shape, cand, device, batch, prompt_len, gen_len)
