@@ -5,7 +5,8 @@
   own waits, timed by CUDA events (the host does not block there);
 - `cpu_computed` / `cpu_compute_s` / `cpu_bytes_read` (`expert_compute`): experts computed on the CPU instead of
   copied, their CPU time, and the disk bytes read into host buffers for them (`hits + misses + cpu_computed ==
-  experts_used`; `hit_rate` is hits over all three); with "auto" also the decision's measured inputs
+  experts_used`, except after a call that raised mid-layer: all its layer's experts counted as used, not all looked
+  up; `hit_rate` is hits over all three); with "auto" also the decision's measured inputs
   (`h2d_bytes_per_s`, `host_bytes_per_s`, `cpu_flops`, `cpu_expert_s` per token bucket);
 - `disk_reads` (experts read from files at every miss): "direct" when the reads bypass the page cache (policy
   `disk_reads`), else "buffered";
