@@ -21,7 +21,7 @@ import hf_moe_offload
 from hf_moe_offload import PolicyError
 from hf_moe_offload.cli import main
 from hf_moe_offload.integrations import task_manager, task_names, tasks_dir
-from hf_moe_offload.integrations.lm_eval_cli import _adjust
+from hf_moe_offload.integrations.lm_eval_cli import _adjust, _check_pretrained
 from hf_moe_offload.integrations.lm_eval_model import MODEL_NAME, OffloadedHFLM
 from hf_moe_offload.integrations.policy_args import pop_policy_args
 from hf_moe_offload.policy.offload_policy import AUTO, EVICTIONS, PRESETS, STORES
@@ -244,6 +244,10 @@ def test_cli_defaults_to_our_model_takes_hf_with_offload_args_and_adds_the_tasks
                             include_path=None)
     _adjust(ns, MODEL_NAME)
     assert ns.model == "hf"                                   # lm-eval's device is no policy field here
+    ns = argparse.Namespace(command="run", model="hf", model_args={"pretrained": "p", "max_batch_size": 64},
+                            include_path=None)
+    _adjust(ns, MODEL_NAME)
+    assert ns.model == "hf"                                   # HFLM's own argument, though also a policy field's name
     for hf_key in ("offload_folder", "offload_buffers", "offload_state_dict"):   # transformers' own keywords
         ns = argparse.Namespace(command="run", model="hf", model_args={"pretrained": "p", hf_key: True},
                                 include_path=None)
@@ -271,3 +275,14 @@ def test_shipped_tasks_load_from_any_working_directory(tmp_path, monkeypatch):
     task = tm.load(["hfmo_arith"])["tasks"]["hfmo_arith"]
     assert len(list(task.test_docs())) == 100 and len(list(task.training_docs())) == 50
     assert Path(tm.task_index["hfmo_arith"].yaml_path).parent == tasks_dir()
+
+
+def test_the_checkpoint_check_looks_in_the_subfolder_lm_eval_loads(tmp_path):
+    """`pretrained=ROOT,subfolder=SUB` loads the checkpoint in ROOT/SUB: the check before lm-eval indexes its tasks
+    reads that config too, and names the subfolder when it has none."""
+    from conftest import build_tiny
+    from hf_moe_offload.integrations.cli_support import UsageError
+    build_tiny("mixtral", tmp_path / "sub")
+    _check_pretrained({"pretrained": str(tmp_path), "subfolder": "sub"})
+    with pytest.raises(UsageError, match="subfolder 'other'.*no config.json"):
+        _check_pretrained({"pretrained": str(tmp_path), "subfolder": "other"})

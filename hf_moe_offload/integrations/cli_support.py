@@ -116,19 +116,23 @@ def report_user_errors(prog: str, debug: bool, run: Callable[[], int],
         return 2
 
 
-def model_config(path: str | os.PathLike, flag: str = "--model", gguf_file: str | None = None) -> PretrainedConfig:
-    """The config of a checkpoint given as a local folder or a Hub id (with `gguf_file`, of that GGUF file in it);
-    `UsageError` naming the problem when there is none (no such folder, a folder without config.json or without the
-    GGUF file, a Hub id that cannot be read)."""
+def model_config(path: str | os.PathLike, flag: str = "--model", gguf_file: str | None = None, *,
+                 subfolder: str = "", revision: str | None = None) -> PretrainedConfig:
+    """The config of a checkpoint given as a local folder or a Hub id (with `gguf_file`, of that GGUF file in it;
+    with `subfolder`, of the checkpoint in that folder of it, as `from_pretrained(subfolder=)`); `UsageError` naming
+    the problem when there is none (no such folder, a folder without config.json or without the GGUF file, a Hub id
+    that cannot be read)."""
     text = str(path)
     folder = Path(text).expanduser()
     flag = flag if flag.endswith("=") else flag + " "     # "--model PATH", "pretrained=PATH"
     if folder.is_dir():
-        if gguf_file is not None and not (folder / gguf_file).is_file():
-            raise UsageError(f"{flag}{text}: this folder has no GGUF file {gguf_file!r}; expected gguf_file= to name "
-                             f"a file in it")
-        if gguf_file is None and not (folder / "config.json").is_file():
-            raise UsageError(f"{flag}{text}: this folder has no config.json; expected a Hugging Face checkpoint "
+        where = folder / subfolder
+        named = f"{text} (subfolder {subfolder!r})" if subfolder else text
+        if gguf_file is not None and not (where / gguf_file).is_file():
+            raise UsageError(f"{flag}{named}: this folder has no GGUF file {gguf_file!r}; expected gguf_file= to "
+                             f"name a file in it")
+        if gguf_file is None and not (where / "config.json").is_file():
+            raise UsageError(f"{flag}{named}: this folder has no config.json; expected a Hugging Face checkpoint "
                              f"folder (config.json and the weights) or a Hub model id")
         text = str(folder)
     elif folder.exists():
@@ -137,7 +141,8 @@ def model_config(path: str | os.PathLike, flag: str = "--model", gguf_file: str 
         raise UsageError(f"{flag}{text}: no such folder; expected a local checkpoint folder or a Hub model id "
                          f"(org/name)")
     try:
-        return AutoConfig.from_pretrained(text, **({"gguf_file": gguf_file} if gguf_file is not None else {}))
+        where = {"gguf_file": gguf_file} if gguf_file is not None else {}
+        return AutoConfig.from_pretrained(text, subfolder=subfolder, revision=revision, **where)
     except (OSError, ValueError, KeyError) as err:
         offline = " (HF_HUB_OFFLINE is set: only models in the local cache)" if os.environ.get("HF_HUB_OFFLINE") \
             else ""

@@ -93,7 +93,8 @@ def _adjust(args, model_name: str) -> None:
     """Our model by default / for ``hf`` with offload arguments; the shipped tasks on the include path."""
     if getattr(args, "command", None) == "run":
         model_args = args.model_args if isinstance(args.model_args, dict) else {}
-        bare = set(field_names()) - {"device"}      # lm-eval's own `device` is not a policy field here
+        from .lm_eval_model import HFLM_ARGS   # deferred: lm-eval is an optional dependency
+        bare = set(field_names()) - HFLM_ARGS - {"device"}   # lm-eval's own names (max_batch_size, ...) stay its own
         offload_keys = sorted(k for k in model_args if k == POLICY_KEY or k in bare
                               or (k.startswith(PREFIX) and k not in FOREIGN_PREFIXED))
         if args.model is None:
@@ -116,7 +117,8 @@ def _check_pretrained(model_args: dict) -> None:
     pretrained = model_args.get("pretrained")
     if not isinstance(pretrained, str):
         return                          # lm-eval's own error names the missing argument
-    config = model_config(pretrained, flag="pretrained=", gguf_file=model_args.get("gguf_file") or None)
+    config = model_config(pretrained, flag="pretrained=", gguf_file=model_args.get("gguf_file") or None,
+                          subfolder=model_args.get("subfolder") or "", revision=model_args.get("revision") or None)
     check_model(config, pretrained, command="lm-eval", flag="pretrained=")
 
 
