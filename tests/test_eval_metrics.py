@@ -85,7 +85,7 @@ def test_evaluate_loop_gives_the_same_accuracy(models):
 @pytest.mark.parametrize("add_bos", [True, False])
 def test_scores_are_lm_evals_loglikelihoods(eval_model, models, add_bos):
     """The same log-likelihoods as lm-eval's HFLM, with a tokenizer that adds BOS and one that does not; contexts
-    ending in a space and an empty context included."""
+    ending in a space, an empty context and one that starts with the BOS text (a chat template's) included."""
     hf = pytest.importorskip("lm_eval.models.huggingface")
     from lm_eval.api.instance import Instance
     from hf_moe_offload.integrations.scoring import continuation_logprobs
@@ -93,7 +93,7 @@ def test_scores_are_lm_evals_loglikelihoods(eval_model, models, add_bos):
     ref, _, _ = models
     tok = AutoTokenizer.from_pretrained(eval_model, add_bos_token=add_bos)
     pairs = [("The import statement", "imports a module"), ("A list comprehension ", "builds a list"),
-             ("", "def main"), ("x =", "1")]
+             ("", "def main"), ("x =", "1"), (f"{tok.bos_token}The with statement", "closes files")]
     ours = continuation_logprobs(ref, tok, pairs, batch_size=3, progress=False)
     lm = hf.HFLM(pretrained=ref, tokenizer=tok, batch_size=3, softmax_dtype="float32")
     requests = [Instance("loglikelihood", doc={}, arguments=(c, " " + x), idx=i) for i, (c, x) in enumerate(pairs)]

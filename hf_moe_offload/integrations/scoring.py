@@ -27,22 +27,35 @@ from .perplexity import model_device
 
 def encode_pair(tokenizer, context: str, continuation: str, delimiter: str = " ") -> tuple[list[int], list[int]]:
     """(context tokens, continuation tokens) of the request (context, delimiter + continuation), encoded as lm-eval's
-    HFLM encodes a causal one: with the tokenizer's own special tokens, the context's trailing spaces moved to the
-    continuation, the continuation's tokens those of the whole text after the context's; an empty context stands as
-    the BOS token (EOS without one)."""
+    HFLM encodes a causal one: with the tokenizer's own special tokens (none where the text starts with the BOS
+    text already), the context's trailing spaces moved to the continuation, the continuation's tokens those of the
+    whole text after the context's; an empty context stands as the BOS token (EOS without one)."""
     continuation = delimiter + continuation
-    stripped = context.rstrip()
-    continuation, context = context[len(stripped):] + continuation, stripped
-    ctx = tokenizer(context)["input_ids"] if context else []
-    if not ctx:
-        cont = tokenizer(continuation, add_special_tokens=False)["input_ids"]
-        prefix = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        if prefix is None:
-            raise ValueError(f"an empty context needs a BOS or EOS token to stand for it, and "
-                             f"{type(tokenizer).__name__} has neither")
-        return ([prefix], list(cont)) if not cont or cont[0] != prefix else (cont[:1], list(cont[1:]))
-    whole = tokenizer(context + continuation)["input_ids"]
-    return list(ctx), list(whole[len(ctx):])
+    if context:
+        stripped = context.rstrip()
+        continuation, context = context[len(stripped):] + continuation, stripped
+        ctx = _encode(tokenizer, context)
+        if ctx:        # a context of spaces alone, with no BOS to encode: scored as an empty one
+            return ctx, _encode(tokenizer, context + continuation)[len(ctx):]
+    cont = tokenizer(continuation, add_special_tokens=False)["input_ids"]
+    prefix = _prefix_token(tokenizer)
+    if prefix is None:
+        raise ValueError(f"an empty context needs a BOS or EOS token to stand for it, and "
+                         f"{type(tokenizer).__name__} has neither")
+    return ([prefix], list(cont)) if not cont or cont[0] != prefix else (cont[:1], list(cont[1:]))
+
+
+def _prefix_token(tokenizer) -> int | None:
+    """The token an empty context stands as (lm-eval's `prefix_token_id`)."""
+    return tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+
+
+def _encode(tokenizer, text: str) -> list[int]:
+    """`text`'s tokens with the tokenizer's special tokens, but no second BOS where the text starts with its text
+    (lm-eval's `tok_encode`)."""
+    prefix = _prefix_token(tokenizer)
+    starts_with_bos = prefix is not None and text.startswith(tokenizer.decode(prefix))
+    return list(tokenizer(text, add_special_tokens=not starts_with_bos)["input_ids"])
 
 
 @torch.inference_mode()
