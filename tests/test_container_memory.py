@@ -46,6 +46,18 @@ def test_a_cgroup_v1_limit_is_read_and_no_limit_means_the_machine(tmp_path, monk
     assert available_host_bytes() <= psutil.virtual_memory().total
 
 
+def test_a_hybrid_hierarchy_reads_the_limit_of_its_v1_memory_controller(tmp_path, monkeypatch):
+    """systemd's "hybrid" layout lists a v2 group ("0::") beside the v1 controllers; the memory limit is the v1
+    memory controller's, and the v2 side (no controllers, in unified/) has none."""
+    _fake_cgroup(tmp_path, monkeypatch, "4:memory:/docker/abc\n1:cpu:/docker/abc\n0::/\n", {
+        "memory/docker/abc/memory.limit_in_bytes": f"{8 * GiB}\n",
+        "memory/docker/abc/memory.usage_in_bytes": f"{GiB}\n",
+        "memory/docker/abc/memory.stat": f"total_inactive_file 0\nhierarchical_memory_limit {8 * GiB}\n",
+        "memory/memory.limit_in_bytes": "9223372036854771712\n",
+        "unified/cgroup.procs": "1\n"})
+    assert container_memory() == fp_module.ContainerMemory(8 * GiB, GiB)
+
+
 def test_auto_keeps_experts_on_disk_when_the_container_cannot_hold_them(tmp_path, monkeypatch):
     """Experts that fit the machine's RAM but not the container's limit stay on disk, and a CPU cache under
     expert_cache="auto" is sized from the container's memory."""

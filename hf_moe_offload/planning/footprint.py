@@ -193,7 +193,7 @@ class ContainerMemory:
 
 
 def container_memory() -> ContainerMemory | None:
-    """The memory limit that binds this process, with its group's use (cgroup v2, else v1), or None when it has no
+    """The memory limit that binds this process, with its group's use (cgroup v2 or v1), or None when it has no
     limit. A limit set on a parent group binds too (a systemd slice, a pod, a container whose process sits in a
     child group): of the groups from this process's up to the root, the one with the least memory left binds."""
     groups = {}
@@ -203,11 +203,13 @@ def container_memory() -> ContainerMemory | None:
             groups[controllers] = path.strip("/")
     except (OSError, ValueError):
         return None
+    found = []
     if "" in groups:
-        found = [_v2_group(folder) for folder in _up_to_root(CGROUP_ROOT, groups[""])]
-    else:
-        v1_path = next((path for names, path in groups.items() if "memory" in names.split(",")), "")
-        found = [_v1_group(folder) for folder in _up_to_root(CGROUP_ROOT / "memory", v1_path)]
+        found += [_v2_group(folder) for folder in _up_to_root(CGROUP_ROOT, groups[""])]
+    # A "hybrid" system (systemd's default on many hosts) lists both; its memory controller is the v1 one.
+    v1_path = next((path for names, path in groups.items() if "memory" in names.split(",")), None)
+    if v1_path is not None:
+        found += [_v1_group(folder) for folder in _up_to_root(CGROUP_ROOT / "memory", v1_path)]
     limited = [group for group in found if group is not None]
     return min(limited, key=lambda group: group.available) if limited else None
 
