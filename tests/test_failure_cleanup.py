@@ -99,3 +99,44 @@ def test_a_failed_chunked_read_waits_for_its_other_chunks_before_raising(tmp_pat
         assert torch.count_nonzero(dst) == 0
     finally:
         store.close()
+
+
+def test_a_from_pretrained_failing_after_attaching_reads_no_expert_back_and_frees_its_store(tiny_models,
+                                                                                            monkeypatch):
+    """A failure (or Ctrl-C) while the CPU kernels, batching or predictor are set up: the model is never returned,
+    so its experts are not read into memory (they may not fit there); its store's files close, and the original
+    error is the one raised."""
+    import hf_moe_offload.loading.finish as finish_module
+    from conftest import offloaded
+    read, stores = [], []
+    real_read, real_init = engine_module.read_layer_experts, DiskStore.__init__
+    monkeypatch.setattr(engine_module, "read_layer_experts", lambda *a: read.append(a) or real_read(*a))
+    monkeypatch.setattr(DiskStore, "__init__", lambda self, *a, **k: stores.append(self) or real_init(self, *a, **k))
+
+    def interrupted(model, engine):
+        raise KeyboardInterrupt("Ctrl-C while setting up batching")
+    monkeypatch.setattr(finish_module, "_apply_batching", interrupted)
+    with pytest.raises(KeyboardInterrupt, match="Ctrl-C while setting up batching"):
+        offloaded("mixtral", tiny_models["mixtral"], device="cpu", store="disk", expert_cache="34%")
+    assert read == [] and stores and all(not store._fds for store in stores)
+
+
+def test_enable_whose_resident_move_fails_part_way_moves_it_back(tiny_models, monkeypatch):
+    """The move of the resident part to the policy's device fails half-way (out of device memory): enable()
+    raises, and the part already moved goes back (a move skips what is in place already)."""
+    import hf_moe_offload.loading.enable as enable_module
+    model = reference("mixtral", tiny_models["mixtral"])
+    real_where = enable_module._where_the_model_is
+    monkeypatch.setattr(enable_module, "_where_the_model_is",
+                        lambda m, layers: (*real_where(m, layers)[:2], torch.device("cpu", 0)))   # "elsewhere"
+    moves = []
+
+    def move(model, layers, device):
+        moves.append(device)
+        if len(moves) == 1:
+            raise RuntimeError("CUDA out of memory (after half the resident part)")
+    monkeypatch.setattr(enable_module, "move_resident_part", move)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
+    assert moves == [torch.device("cpu"), torch.device("cpu", 0)]
+    assert hf_moe_offload.get_engine(model) is None

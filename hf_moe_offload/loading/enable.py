@@ -58,8 +58,8 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
     moved_from = None
     try:
         if resident_device != device:
+            moved_from = resident_device      # first: a move that fails part-way is undone too
             move_resident_part(model, layers, device)
-            moved_from = resident_device
         engine = OffloadEngine.attach(model, resolved.policy, arch, layers, store, resolved.cache_bytes,
                                       restore_device=experts_device, moved_resident_from=moved_from)
     except BaseException:           # attach gave the experts back; the rest goes back too, nothing is left behind
@@ -72,7 +72,7 @@ def enable(model: PreTrainedModel, policy: Any = "auto", offload_folder: str | o
     if own_folder is not None:
         # The store's files go with the engine: on disable(), or at exit for a model never disabled.
         engine.on_detach.append(weakref.finalize(engine, remove_folder, own_folder))
-    return finish_offloading(model, engine, resolved, predictor)
+    return finish_offloading(model, engine, resolved, predictor, loaded=False)
 
 
 def _where_the_model_is(model: PreTrainedModel, layers: list[MoELayer]) -> tuple[torch.dtype, torch.device,

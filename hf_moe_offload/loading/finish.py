@@ -4,6 +4,8 @@ CPU kernels for the model's own linear layers, the auto plan's summary), each un
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
@@ -25,15 +27,18 @@ from ..storage.store import CpuStore
 from .file_maps import FileMaps
 from .mapped_dense import map_dense_weights
 
+logger = logging.getLogger(__name__)
+
 
 def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: ResolvedPolicy,
                       predictor: HashPredictor | None, index: CheckpointIndex | None = None,
-                      maps: FileMaps | None = None) -> PreTrainedModel:
+                      maps: FileMaps | None = None, *, loaded: bool = True) -> PreTrainedModel:
     """Attach what rides on the engine: the plan summary, the wide stream window ("auto" on the CPU without a plan),
     the predictor's hook, CPU attention, batching defaults, CPU kernels. `index`: the checkpoint's safetensors
     tensors the model was loaded from, where its own dense weights can be left in their files (mapped in `maps`,
     which may hold the input embedding table already); the files mapped are checked before every forward and
-    `state_dict()` until `disable()`."""
+    `state_dict()` until `disable()`. On a failure the engine comes off: `enable()`'s model (`loaded=False`) gets
+    its experts back; a model being loaded (`loaded=True`: never returned) only frees what the engine holds."""
     engine.plan = resolved.plan
     try:
         if resolved.widen_stream_window:
@@ -47,8 +52,14 @@ def finish_offloading(model: PreTrainedModel, engine: OffloadEngine, resolved: R
         maps = FileMaps() if maps is None else maps
         _apply_cpu_kernels(model, engine, index, maps)
     except BaseException:
-        engine.detach()                   # a model that cannot be finished is left as it was before
-        raise
+        try:
+            if loaded:
+                engine.release()          # reading every expert back could be what memory cannot hold
+            else:
+                engine.detach()           # enable()'s model is left as it was before
+        except Exception:
+            logger.exception("hf_moe_offload: undoing the offload that failed failed too")
+        raise                             # the first failure is the one to report
     if maps.mapped:
         engine.on_detach.append(maps.guard(model))
         engine.detach_checks.append(maps.check)      # disable() reads the mapped embedding table back

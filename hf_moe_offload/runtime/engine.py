@@ -300,19 +300,11 @@ class OffloadEngine:
         if not self.store.plain_in_memory:       # read from files: every expert first, a read may fail
             with torch.inference_mode(False), self.cache.lock:
                 experts = [read_layer_experts(self.store, layer, torch.device("cpu")) for layer in self.layers]
-        for hook in list(self.hooks):
-            hook.close()
-        self.hooks.clear()
-        self.prefetcher = None
-        for handle in self._model_hooks:
-            handle.remove()
+        self._remove_hooks()
         del self.model._apply
         del self.model.num_parameters
         if getattr(self.model, "generation_config", None) is not None:
             self.model.generation_config.disable_compile = self._disable_compile_before
-        if self.micro_batched is not None:
-            self.micro_batched.detach()
-            self.micro_batched = None
         for layer in self.layers:
             self.arch.detach(self.model, layer)
         self.cache.close()
@@ -323,6 +315,28 @@ class OffloadEngine:
         for cleanup in self.on_detach:
             cleanup()
         delattr(self.model, ENGINE_ATTR)
+
+    def release(self) -> None:
+        """Free what the engine holds (hooks, threads, cache, store, the `on_detach` cleanups) without giving the
+        experts back: for a model that never reached its user (a `from_pretrained` that failed after attaching),
+        whose experts were never in memory and may not fit there."""
+        self._remove_hooks()
+        self.cache.close()
+        self.store.close()
+        for cleanup in self.on_detach:
+            cleanup()
+        delattr(self.model, ENGINE_ATTR)
+
+    def _remove_hooks(self) -> None:
+        for hook in list(self.hooks):
+            hook.close()
+        self.hooks.clear()
+        self.prefetcher = None
+        for handle in self._model_hooks:
+            handle.remove()
+        if self.micro_batched is not None:
+            self.micro_batched.detach()
+            self.micro_batched = None
 
 
 def _restore_after_failed_attach(arch: MoEArch, layers: list[MoELayer], store: ExpertStore,
