@@ -178,7 +178,7 @@ def _profile(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from .integrations.cli_support import check_model, model_config
+    from .integrations.cli_support import UsageError, check_model, model_config
     from .planning.auto_plan import profile_origin
     from .planning.planner import ModelShape, make_plan
     from .planning.profile import load_profile
@@ -191,6 +191,9 @@ def _plan(args: argparse.Namespace) -> int:
     whole = profile.device_memory_bytes or profile.host_memory_bytes
     size_of = SizeField("--device-memory", share_of="the profile's device memory", auto=False)
     budget = None if args.device_memory is None else parse_size(args.device_memory, whole, size_of)
+    if budget is not None and budget < 1:
+        raise UsageError(f"--device-memory {args.device_memory}: no memory to plan with; give a size (16GiB) or a "
+                         f"share above 0% (50%)")
     plan = make_plan(ModelShape.from_pretrained(args.model), profile, args.batch, args.prompt_len, args.gen_len,
                      device_memory=budget, store=args.store)
     print(f"profile: {profile.name}{profile_origin(args.profile)}")

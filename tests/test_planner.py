@@ -130,6 +130,8 @@ def test_plan_cli_takes_a_share_of_the_profiles_device_memory(capsys):
     assert main([*args, "auto"]) == 2
     err = capsys.readouterr().err
     assert "--device-memory='auto' is not a size" in err and "expert" not in err
+    assert main([*args, "0%"]) == 2
+    assert "--device-memory 0%: no memory to plan with" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ the cost model's profile fields and "auto"
