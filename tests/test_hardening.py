@@ -208,6 +208,18 @@ def test_backward_through_offloaded_experts_is_refused_but_inference_with_grad_w
         logits.sum().backward()
 
 
+@pytest.mark.parametrize("policy", [DISK, {"device": "cpu", "store": "cpu"}])
+def test_training_only_the_routers_is_refused_not_given_wrong_gradients(tiny_models, policy):
+    """The experts' outputs are scaled by the routing weights without autograd: a trainable router would get only
+    its auxiliary loss's share of the gradient, so its backward is refused as one through the experts' input is."""
+    model = offloaded("mixtral", tiny_models["mixtral"], **policy)
+    for name, param in model.named_parameters():
+        param.requires_grad_(name.endswith("mlp.gate.weight"))
+    ids = _ids()
+    with pytest.raises(RuntimeError, match="backward through hf_moe_offload"):
+        model(ids, labels=ids, output_router_logits=True).loss.backward()
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()

@@ -115,9 +115,12 @@ def _expert_compute():
     return torch.no_grad() if torch.is_grad_enabled() else contextlib.nullcontext()
 
 
-def _refuse_backward(output: torch.Tensor, hidden_states: torch.Tensor) -> torch.Tensor:
-    """Attach a backward that raises when the caller's graph reaches the experts."""
-    if torch.is_grad_enabled() and hidden_states.requires_grad:
+def _refuse_backward(output: torch.Tensor, hidden_states: torch.Tensor,
+                     routing_weights: torch.Tensor | None = None) -> torch.Tensor:
+    """Attach a backward that raises when the caller's graph reaches the experts: through their input, or through
+    the routing weights they were scaled by (a trainable router), which the loop applies without autograd."""
+    wants_grad = hidden_states.requires_grad or (routing_weights is not None and routing_weights.requires_grad)
+    if torch.is_grad_enabled() and wants_grad:
         return _NoBackwardThroughOffloadedExperts.apply(output.requires_grad_(True))
     return output
 
@@ -200,7 +203,7 @@ def run_routed_experts(runtime: ExpertFetcher, hidden_states: torch.Tensor, rout
         weighted = weighted.view(num_tokens, k, hidden)                                 # [T, k, H]
         out = (_sum_in_expert_order(weighted, on_host.view(num_tokens, k)) if in_expert_order
                else weighted.sum(dim=1)).to(hidden_states.dtype)                        # [T, H]
-    return _refuse_backward(out, hidden_states)
+    return _refuse_backward(out, hidden_states, routing_weights)
 
 
 def _sum_in_expert_order(weighted: torch.Tensor, routed_to: torch.Tensor) -> torch.Tensor:
@@ -243,7 +246,7 @@ def offloaded_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_
             with _expert_compute():
                 out = run_over_slots(self, runtime, hidden_states, top_k_index, top_k_weights, experts)
             if out is not None:
-                return _refuse_backward(out, hidden_states)
+                return _refuse_backward(out, hidden_states, top_k_weights)
     return run_routed_experts(runtime, hidden_states, top_k_index, self.num_experts, expert_fn,
                               routing_weights=top_k_weights, routed_on_host=routed)
 
