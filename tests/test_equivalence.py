@@ -81,3 +81,19 @@ def test_module_level_from_pretrained(tiny_models):
         ref = reference(family, tiny_models[family])
         kwargs = dict(attention_mask=mask, max_new_tokens=6, do_sample=False)
         assert torch.equal(model.generate(ids, **kwargs), ref.generate(ids, **kwargs))
+
+
+def test_switch_in_train_mode_drops_out_inside_its_experts_as_the_unpatched_model(tiny_models):
+    """`model.train()` under no_grad (Monte-Carlo dropout): each expert's own dropout runs between its two
+    projections, drawing what the unpatched model draws from the same seed (a host store computes the experts in
+    expert order, as the unpatched loop does)."""
+    path = tiny_models["switch_transformers"]
+    ids, _ = token_inputs(batch=2, length=9)
+    outputs = []
+    for model in (reference("switch_transformers", path), offloaded("switch_transformers", path, device="cpu",
+                                                                     store="cpu")):
+        model.train()
+        torch.manual_seed(0)
+        with torch.no_grad():
+            outputs.append(model(ids, decoder_input_ids=ids[:, :4]).logits)
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-4, atol=1e-5)

@@ -23,11 +23,12 @@ class OffloadedSwitchExperts(nn.Module):
         super().__init__()
         self.num_experts = original.num_experts
         self.act = original["expert_0"].act
+        self.dropout = original["expert_0"].dropout               # a child: train() / eval() reach it
         attach_runtime(self, runtime)
 
     def expert(self, x: torch.Tensor, w: dict[str, torch.Tensor]) -> torch.Tensor:
         """`DenseActDense` with the expert's weights: x [n, H] -> [n, H]."""
-        h = self.act(expert_linear(x, w["wi"]))                    # [n, F]
+        h = self.dropout(self.act(expert_linear(x, w["wi"])))     # [n, F]
         if h.dtype != w["wo"].dtype:
             h = h.to(w["wo"].dtype)
         return expert_linear(h, w["wo"])
