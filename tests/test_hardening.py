@@ -220,6 +220,23 @@ def test_training_only_the_routers_is_refused_not_given_wrong_gradients(tiny_mod
         model(ids, labels=ids, output_router_logits=True).loss.backward()
 
 
+@pytest.mark.parametrize("policy", [DISK, {"device": "cpu", "store": "cpu"}])
+def test_load_state_dict_with_expert_weights_is_refused_before_anything_loads(tiny_models, policy):
+    """The experts are read from the store: new expert weights would be dropped (strict=False) or fail deep in
+    torch (strict=True). Refused naming a key, with nothing loaded; weights without experts still load."""
+    model = offloaded("mixtral", tiny_models["mixtral"], **policy)
+    ids = _ids()
+    before = model(ids).logits
+    changed = {k: v + 1 for k, v in model.state_dict().items()}
+    for strict in (True, False):
+        with pytest.raises(hf_moe_offload.PolicyError, match=r"'model\.layers\.0\.mlp\.experts\..*disable"):
+            model.load_state_dict(changed, strict=strict)
+    assert torch.equal(model(ids).logits, before)               # not even the embeddings were loaded
+    head = {"lm_head.weight": changed["lm_head.weight"]}
+    assert model.load_state_dict(head, strict=False).unexpected_keys == []
+    assert torch.equal(model.lm_head.weight, head["lm_head.weight"])
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()

@@ -225,6 +225,7 @@ class OffloadEngine:
             in_tree = self.model.get_submodule(layer.name)
             handle = in_tree.register_state_dict_post_hook(self._experts_into_state_dict(layer))
             self._model_hooks.append(handle)
+        self._model_hooks.append(self.model.register_load_state_dict_pre_hook(self._refuse_expert_weights))
         # An instance attribute shadows nn.Module._apply for this model only; `.to`, `.half`, `.cuda`... go there.
         self.model._apply = self._guarded_apply
         self.model.num_parameters = self._num_parameters      # the experts are no module parameters now
@@ -244,6 +245,20 @@ class OffloadEngine:
                 state_dict[prefix + name] = tensor
 
         return add_experts
+
+    def _refuse_expert_weights(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
+        """`load_state_dict` (a pre-hook of the model: it runs before any module is loaded) with expert weights:
+        refused, since the experts are read from the store and would silently stay the old ones."""
+        own = {prefix + name for name, _ in self.model.named_parameters()}
+        own |= {prefix + name for name, _ in self.model.named_buffers()}
+        for layer in self.layers:
+            start = f"{prefix}{layer.name}."
+            experts = sorted(k for k in state_dict if k.startswith(start) and k not in own)
+            if experts:
+                raise PolicyError(f"load_state_dict: {experts[0]!r} is a weight of an offloaded experts module; "
+                                  f"offloaded experts are read from their store and cannot take new weights. Call "
+                                  f"hf_moe_offload.disable(model), load the state dict, then offload again "
+                                  f"(hf_moe_offload.enable)")
 
     def _num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """transformers' `num_parameters`, the offloaded experts counted in (they cannot be trained offloaded)."""
