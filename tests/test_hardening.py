@@ -5,6 +5,7 @@ device changes, backward, experts_implementation), and the ecosystem's logging a
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import shutil
@@ -246,14 +247,19 @@ class _Records(logging.Handler):
         self.messages.append(record.getMessage())
 
 
-def test_generate_does_not_auto_compile_offloaded_models_and_disable_restores_the_setting(tiny_models):
+def test_generate_does_not_auto_compile_offloaded_models_and_saves_the_users_generation_config(tiny_models,
+                                                                                                tmp_path):
+    """Auto-compiling is off for the offloaded model instance, not written into its generation config: a
+    checkpoint saved from it does not turn compiling off for whoever loads it later."""
     model = reference("mixtral", tiny_models["mixtral"])
-    before = model.generation_config.disable_compile
+    before = model.generation_config.to_dict()
     hf_moe_offload.enable(model, DISK)
-    assert model.generation_config.disable_compile is True
     assert not model._valid_auto_compile_criteria({}, model.generation_config)
+    assert model.generation_config.to_dict() == before
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "generation_config.json").read_text()).get("disable_compile", False) is False
     hf_moe_offload.disable(model)
-    assert model.generation_config.disable_compile == before
+    assert "_valid_auto_compile_criteria" not in vars(model)
 
 
 def test_experts_implementation_next_to_a_policy_is_not_replaced_silently(tiny_models):

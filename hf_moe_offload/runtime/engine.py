@@ -232,11 +232,9 @@ class OffloadEngine:
         self._model_hooks.append(self.model.register_forward_pre_hook(
             lambda module, args: self.stats.record_model_forward()))
         # generate() auto-compiles static-cache decoding on CUDA; the offloaded forward decides on the host at every
-        # step (graph breaks, recompiles), so compiling it only costs time (F5). Restored on detach.
-        config = getattr(self.model, "generation_config", None)
-        if config is not None:
-            self._disable_compile_before = config.disable_compile
-            config.disable_compile = True
+        # step (graph breaks, recompiles), so compiling it only costs time. Decided here, per model instance: the
+        # generation config stays the user's (save_pretrained writes it).
+        self.model._valid_auto_compile_criteria = lambda model_kwargs, generation_config: False
 
     def _experts_into_state_dict(self, layer: MoELayer):
         def add_experts(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -318,8 +316,7 @@ class OffloadEngine:
         self._remove_hooks()
         del self.model._apply
         del self.model.num_parameters
-        if getattr(self.model, "generation_config", None) is not None:
-            self.model.generation_config.disable_compile = self._disable_compile_before
+        del self.model._valid_auto_compile_criteria
         for layer in self.layers:
             self.arch.detach(self.model, layer)
         self.cache.close()
