@@ -238,6 +238,24 @@ def test_load_state_dict_with_expert_weights_is_refused_before_anything_loads(ti
     assert torch.equal(model.lm_head.weight, head["lm_head.weight"])
 
 
+@pytest.mark.parametrize("policy", [DISK, {**DISK, "expert_cache": "50%", "micro_batches": 2, "prefetch": "auto"}])
+def test_deepcopy_and_pickle_of_an_offloaded_model_are_refused_and_work_after_disable(tiny_models, policy):
+    """A copy would share one store, cache and reader threads with the original (deepcopy failed on a lock, pickle
+    on a local function): refused with what to do. After disable() both work, and the copy has the model's own
+    routers (no cached routing rebuilt from the original's modules)."""
+    import copy
+    import pickle
+    model = offloaded("mixtral", tiny_models["mixtral"], **policy)
+    ids = _ids()
+    _generate(model, ids)                                   # the look-ahead probes (and caches) the routers' kind
+    for copier in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(hf_moe_offload.PolicyError, match="cannot be copied or pickled.*disable"):
+            copier(model)
+    hf_moe_offload.disable(model)
+    for clone in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        assert torch.equal(_generate(clone, ids), _generate(model, ids))
+
+
 class _Records(logging.Handler):
     def __init__(self):
         super().__init__()

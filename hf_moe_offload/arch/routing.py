@@ -156,9 +156,24 @@ class RouterKind:
         return self.select(self.logits(self.router_output(hidden_states)))[1]
 
 
+class _CachedKind:
+    """A router's kind, cached on the router. Its getters read that router's own module: a copy or pickle of the
+    model gets no cache (its routers are probed again on first use), never one that reads the original."""
+
+    def __init__(self, kind: RouterKind | None = None):
+        self.kind = kind
+
+    def __deepcopy__(self, memo: dict) -> "_CachedKind":
+        return _CachedKind()
+
+    def __reduce__(self) -> tuple:
+        return _CachedKind, ()
+
+
 def kind_of(router: nn.Module) -> RouterKind | None:
     """The kind `router_kind` built for `router`, if any."""
-    return getattr(router, _KIND_ATTR, None)
+    cached = getattr(router, _KIND_ATTR, None)
+    return cached.kind if cached is not None else None
 
 
 def router_kind(router: nn.Module, block: nn.Module | None, num_experts: int, top_k: int, hidden_size: int
@@ -176,7 +191,7 @@ def router_kind(router: nn.Module, block: nn.Module | None, num_experts: int, to
     if kind is not None and kind.num_experts == num_experts and kind.top_k == top_k:
         return kind
     kind = _build(router, block, num_experts, top_k, hidden_size)
-    setattr(router, _KIND_ATTR, kind)
+    setattr(router, _KIND_ATTR, _CachedKind(kind))
     logger.debug("router %s: %s", type(router).__name__, kind.describe())
     return kind
 

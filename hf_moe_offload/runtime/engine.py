@@ -26,6 +26,7 @@ from ..policy.offload_policy import OffloadPolicy, PolicyError
 from ..stats import OffloadStats, StatsSnapshot
 from ..storage.store import ExpertStore
 from . import microbatch
+from .not_copyable import NotCopyable
 from .pass_scheduler import PassScheduler
 
 logger = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 ENGINE_ATTR = "_hf_moe_offload_engine"
 
 
-class LayerRuntime:
+class LayerRuntime(NotCopyable):
     """What an offloaded experts forward calls: `fetch` the slabs of the experts its tokens were routed to."""
 
     def __init__(self, engine: "OffloadEngine", layer: MoELayer):
@@ -107,7 +108,7 @@ class LayerRuntime:
             hook.on_layer_done(self.layer.index)
 
 
-class OffloadEngine:
+class OffloadEngine(NotCopyable):
     """Owns the offloading state of one model.
 
     Example:
@@ -229,12 +230,12 @@ class OffloadEngine:
         # An instance attribute shadows nn.Module._apply for this model only; `.to`, `.half`, `.cuda`... go there.
         self.model._apply = self._guarded_apply
         self.model.num_parameters = self._num_parameters      # the experts are no module parameters now
-        self._model_hooks.append(self.model.register_forward_pre_hook(
-            lambda module, args: self.stats.record_model_forward()))
+        # Bound methods, not lambdas: a copy or pickle of the model reaches the engine and gets its clear error.
+        self._model_hooks.append(self.model.register_forward_pre_hook(self._count_model_forward))
         # generate() auto-compiles static-cache decoding on CUDA; the offloaded forward decides on the host at every
         # step (graph breaks, recompiles), so compiling it only costs time. Decided here, per model instance: the
         # generation config stays the user's (save_pretrained writes it).
-        self.model._valid_auto_compile_criteria = lambda model_kwargs, generation_config: False
+        self.model._valid_auto_compile_criteria = self._no_auto_compile
 
     def _experts_into_state_dict(self, layer: MoELayer):
         def add_experts(module: nn.Module, state_dict: dict, prefix: str, local_metadata) -> None:
@@ -243,6 +244,13 @@ class OffloadEngine:
                 state_dict[prefix + name] = tensor
 
         return add_experts
+
+    def _count_model_forward(self, module: nn.Module, args: tuple) -> None:
+        self.stats.record_model_forward()
+
+    @staticmethod
+    def _no_auto_compile(model_kwargs: dict, generation_config: Any) -> bool:
+        return False
 
     def _refuse_expert_weights(self, module: nn.Module, state_dict: dict, prefix: str, *args: Any) -> None:
         """`load_state_dict` (a pre-hook of the model: it runs before any module is loaded) with expert weights:

@@ -51,6 +51,7 @@ from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingW
 from .._compat import CACHE_NAMES, kv_cache
 from ..attention.cpu import HostLayer, HostSlidingWindowLayer
 from . import slice_streams
+from .not_copyable import NotCopyable
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +175,7 @@ def cache_refusal(cache: Any) -> str | None:
     return f"its cache has {other} layers" if other else None
 
 
-class MicroBatchedLayers:
+class MicroBatchedLayers(NotCopyable):
     """Runs every given decoder layer as `count` micro-batches (see the module docstring); `detach()` undoes it.
 
     Example:
