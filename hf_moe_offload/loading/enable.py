@@ -113,7 +113,9 @@ def _store_of_built_model(policy: OffloadPolicy, arch: MoEArch, layers: list[MoE
 
 
 def disable(model: PreTrainedModel) -> PreTrainedModel:
-    """Detach everything hf_moe_offload attached and give the experts back to the model as parameters."""
+    """Detach everything hf_moe_offload attached and give the experts back to the model as parameters, with the
+    `requires_grad` they had when offloaded (`model.requires_grad_()` while offloaded does not reach them: they are
+    no parameters then). Experts offloaded with `quantize` come back dequantized."""
     engine = get_engine(model)
     if engine is None:
         raise PolicyError("this model is not offloaded by hf_moe_offload (nothing to disable)")
