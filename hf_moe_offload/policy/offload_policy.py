@@ -247,8 +247,9 @@ class OffloadPolicy:
                           "Klotski's multi-batch, MoE-Lightning's CGOPipe). On a GPU with attention='cpu', one "
                           "slice's CPU attention runs while the device computes the previous slice's experts. "
                           "Needs a cache holding one layer's experts (a smaller resident set: more bytes per pass). "
-                          "Exact on the CPU; on a GPU a slice's matmuls have fewer rows, which cuBLAS may round "
-                          "differently, so near-tied greedy tokens can differ from the whole batch's. \"auto\": 1 "
+                          "A slice's matmuls have fewer rows, which the BLAS may round differently (float32 "
+                          "logits within about 1e-7 on the CPU; more on a GPU's cuBLAS), so near-tied greedy tokens "
+                          "can differ from the whole batch's. \"auto\": 1 "
                           "(off): where measured on a GPU, two slices were slower than one."},
     )
 
