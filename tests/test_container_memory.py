@@ -23,6 +23,8 @@ def _fake_cgroup(tmp_path, monkeypatch, proc: str, files: dict[str, str]) -> Non
     (tmp_path / "proc_cgroup").write_text(proc)
     monkeypatch.setattr(fp_module, "CGROUP_ROOT", root)
     monkeypatch.setattr(fp_module, "PROC_CGROUP", tmp_path / "proc_cgroup")
+    snapshot = psutil.virtual_memory()        # one reading: the test's and the library's comparisons agree
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: snapshot)
 
 
 def test_a_cgroup_v2_limit_bounds_the_memory_auto_plans_with(tmp_path, monkeypatch):

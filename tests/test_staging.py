@@ -177,8 +177,11 @@ def test_a_guess_promoted_mid_read_reads_the_rest_at_once_beside_a_demand_read()
         reader.join(timeout=5)
     assert not reader.is_alive()
     assert sorted(rng for rng, _, _ in spans) == sorted(rng for _, rng, _ in guess)     # every chunk, once
-    starts = sorted(start for _, start, _ in spans)
-    assert starts[store_module.CHUNK_READERS] - starts[0] < 0.01 * 2   # read several at once, not one by one
+    # Read several at once, not one by one: some reads were in flight together (counted from the spans, not
+    # timed: on a busy machine the chunk readers' threads may start later than one read takes).
+    most_at_once = max(sum(start < end_other and start_other < end for _, start_other, end_other in spans)
+                       for _, start, end in spans)
+    assert most_at_once >= 2
 
 
 def test_a_speculative_read_uses_smaller_chunks_and_several_at_once(monkeypatch):
