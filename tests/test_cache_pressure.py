@@ -57,13 +57,14 @@ def _read_ahead_lands_before_each_layer(model) -> None:
     cache = hf_moe_offload.get_engine(model).cache
 
     def wait_for_reads(module, args):
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + 30.0
         while time.monotonic() < deadline:
             with cache.lock:
                 pending = [s for s in cache.table.unwaited() if s.load is not None and not SlotTable.has_landed(s)]
             if not pending:
                 return
             time.sleep(0.001)
+        raise AssertionError(f"{len(pending)} reads ahead did not land in 30 s")   # else the scenario changes
 
     for layer in model.model.layers:
         layer.register_forward_pre_hook(wait_for_reads)
