@@ -301,3 +301,16 @@ def test_predicted_routing_of_a_call_does_not_depend_on_earlier_calls(tiny_model
         model.generate(torch.randint(3, VOCAB, (2, 9), generator=torch.Generator().manual_seed(10 + seed)), **kwargs)
         again = routes_of_the_call()
         assert torch.equal(again[0], first[0]) and again[1] == first[1]
+
+
+def test_hash_prefetch_with_a_static_cache_and_masks_per_layer_type(tiny_models, tmp_path):
+    """A static cache on a model whose config has `layer_types` (Qwen2-MoE) gives the model a mask per layer type
+    (a dict): the predictor goes on without padding information, exactly."""
+    reference_model = reference("qwen2_moe", tiny_models["qwen2_moe"])
+    torch.manual_seed(0)
+    HashPredictor.for_model(reference_model, d_model=16, lstm_hidden=16).save(tmp_path / "predictor")
+    ids = _ids(batch=1, length=6)
+    kwargs = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, cache_implementation="static")
+    model = offloaded("qwen2_moe", tiny_models["qwen2_moe"], device="cpu", store="disk", expert_cache="34%",
+                      prefetch="hash", predictor=str(tmp_path / "predictor"))
+    assert torch.equal(model.generate(ids, **kwargs), reference_model.generate(ids, **kwargs))

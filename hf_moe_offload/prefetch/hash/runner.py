@@ -329,8 +329,9 @@ class HashPrefetcher(LayerHook):
         new_sequence = past_length == 0 or caller.batch != ids.shape[0] or past_length != caller.seen
         caller.batch, caller.seen = ids.shape[0], past_length + ids.shape[1]
         mask = kwargs.get("attention_mask")
-        if mask is not None and (mask.dim() != 2 or mask.shape[0] != ids.shape[0] or mask.shape[1] < ids.shape[1]):
-            mask = None                                      # e.g. a 4D mask: predict without padding info
+        if mask is not None and (not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[0] != ids.shape[0]
+                                 or mask.shape[1] < ids.shape[1]):
+            mask = None    # a 4D mask, or a static cache's masks per layer type: predict without padding info
         new_mask = None if mask is None else mask[:, -ids.shape[1]:]   # the mask of the tokens in this pass
         inputs_ready = _record_event(ids.device)             # the caller's stream has produced ids and mask
         caller.table = None
