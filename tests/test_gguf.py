@@ -223,6 +223,15 @@ def test_disable_gives_back_transformers_weights(folder, reference):
         assert name == ref_name and torch.equal(p, q), name
 
 
+def test_a_model_loaded_from_gguf_is_offloaded_again_by_enable(folder, reference):
+    """transformers dequantizes a GGUF file as it loads it: such a model (after disable(), or transformers' own
+    load) holds float experts, which enable() offloads."""
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="tiny-Q4_K_M.gguf", offload_policy=POLICY)
+    hf_moe_offload.disable(model)
+    hf_moe_offload.enable(model, {"device": "cpu", "store": "cpu"})
+    assert torch.equal(_generate(model), _generate(reference("tiny-Q4_K_M.gguf")))
+
+
 def test_the_server_loads_a_gguf_file_offloaded(folder, reference):
     """`hf-moe-offload serve DIR:file.gguf`: the server's load step offloads the GGUF model (transformers reads the
     tokenizer out of the file itself); same tokens as transformers' own load of the file."""

@@ -293,6 +293,8 @@ def test_save_pretrained_and_disable_give_the_dequantized_model(tmp_path):
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "checkpoint_format='marlin'"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 0}, "group_size=0"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 32, "dynamic": {r"+:.*layers\.1\..*\.w2": {"bits": 8}}},
+     r"dynamic=.*one bits and group_size for every layer"),
     ({"quant_method": "awq", "bits": 4, "group_size": 128, "version": "gemv"}, "quant_method='awq' with version='gemv'"),
     ({"quant_method": "awq", "bits": 8, "group_size": 128}, "bits=8"),
     ({"quant_method": "bitsandbytes", "load_in_4bit": True}, "quant_method='bitsandbytes'"),

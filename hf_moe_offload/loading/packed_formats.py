@@ -70,6 +70,9 @@ def _gptq(qc: Any) -> PackedFormat:
     fmt = _get(qc, "checkpoint_format") or _get(qc, "format") or "gptq"
     if fmt not in ("gptq", "gptq_v2"):
         raise UnreadPackedFormat(f"checkpoint_format={fmt!r} (the 'gptq' and 'gptq_v2' packings are read)")
+    if _get(qc, "dynamic"):      # GPTQModel's per-module overrides (bits, group size) or exclusions
+        raise UnreadPackedFormat(f"dynamic={_get(qc, 'dynamic')!r} (one bits and group_size for every layer is "
+                                 f"read)")
     return PackedFormat("gptq", bits, _group_size(_get(qc, "group_size", 128)),
                         zero_offset=1 if fmt == "gptq" else 0, act_order=bool(_get(qc, "desc_act", False)))
 

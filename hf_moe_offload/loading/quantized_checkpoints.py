@@ -126,7 +126,9 @@ def _model_type(config) -> str | None:
 def refuse_quantized_checkpoint(config) -> None:
     """For a model already built (`enable`): refuse one whose weights are quantized in memory. A fine-grained FP8
     or MXFP4 model that transformers loaded with `dequantize=True` (its CPU default) holds float weights and is
-    accepted."""
+    accepted, as is a model loaded from GGUF (transformers dequantizes every tensor as it loads)."""
+    if any(_qc_get(qc, "quant_method") == "gguf" for qc in _quantization_configs(config)):
+        return
     if checkpoint_is_mxfp4(config):
         if not all(_qc_get(qc, "dequantize") for qc in _quantization_configs(config)):
             raise PolicyError("this model holds MXFP4 experts (loaded without dequantize); load it with "
