@@ -176,6 +176,17 @@ def test_missing_split_file_is_named(folder, tmp_path):
         AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=files[0], offload_policy=POLICY)
 
 
+def test_a_truncated_split_file_is_named_before_loading(folder, tmp_path, monkeypatch):
+    files = sorted(f for f in os.listdir(folder) if f.startswith("split-"))
+    for f in files[:-1]:
+        os.link(os.path.join(folder, f), tmp_path / f)
+    data = open(os.path.join(folder, files[-1]), "rb").read()
+    (tmp_path / files[-1]).write_bytes(data[:-5000])                   # an interrupted download
+    _refuse_before_loading(monkeypatch)
+    with pytest.raises(CheckpointError, match=f"{files[-1]} is truncated.*download it again"):
+        AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file=files[0], offload_policy=POLICY)
+
+
 def test_qwen2_moe_with_shared_experts(folder, reference):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="qwen2moe-Q8_0.gguf", offload_policy=POLICY)
     ref = reference("qwen2moe-Q8_0.gguf")

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import struct
 from dataclasses import dataclass
 
 import torch
@@ -63,14 +64,23 @@ class GGUFIndex:
         files = split_files(str(path))
         tensors, metadata = {}, {}
         for file in files:
-            reader = gguf.GGUFReader(file)
+            try:
+                reader = gguf.GGUFReader(file)
+            except (ValueError, struct.error, IndexError) as err:   # gguf's own errors on a short or damaged file
+                raise CheckpointError(f"{file} is truncated or not a valid GGUF file ({err}); download it again") \
+                    from None
             identity = FileIdentity.of(os.stat(file))
+            size = os.path.getsize(file)
             if not metadata:
                 metadata = {key: _field_value(field) for key, field in reader.fields.items()
                             if not key.startswith("tokenizer.")}
             for t in reader.tensors:
                 kind = GGML_TYPES_BY_ID.get(int(t.tensor_type))
                 shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+                if int(t.data_offset) + int(t.n_bytes) > size:
+                    raise CheckpointError(f"{file} is truncated: tensor {t.name} ends at byte "
+                                          f"{int(t.data_offset) + int(t.n_bytes)}, the file has {size}; download "
+                                          f"it again")
                 tensors[t.name] = GGUFTensor(t.name, file, int(t.data_offset), int(t.n_bytes), shape,
                                              t.tensor_type.name, kind, identity)
         expected = metadata.get("split.tensors.count")
