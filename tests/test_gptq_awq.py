@@ -309,6 +309,12 @@ def test_formats_not_read_are_refused_naming_them_and_listing_what_is(tmp_path, 
         _offloaded(path, store="disk", expert_cache="50%")
 
 
+def test_a_mapped_embedding_is_refused_naming_the_packed_checkpoint(tmp_path):
+    packed, _ = _gptq_checkpoint(tmp_path)
+    with pytest.raises(PolicyError, match="embedding='mapped' is not possible here: .*GPTQ, AWQ or compressed-t"):
+        _offloaded(packed, store="disk", expert_cache="50%", embedding="mapped")
+
+
 def test_requantizing_packed_experts_is_refused(tmp_path):
     packed, _ = _gptq_checkpoint(tmp_path)
     with pytest.raises(PolicyError, match="quantize='int4' cannot be combined.*already stored as packed integers"):

@@ -81,7 +81,8 @@ def _locate(skeleton: nn.Module, index: CheckpointIndex | None, dtype: torch.dty
     if device_map_given:
         return None, "a device_map places the model's modules"
     if index is None:
-        return None, "the checkpoint is not in safetensors files"
+        return None, ("the table is not loaded from a safetensors file as stored (a GGUF file, or a GPTQ, AWQ or "
+                      "compressed-tensors checkpoint, whose layers transformers loads dequantized)")
     table = skeleton.get_input_embeddings()
     weight = getattr(table, "weight", None)
     if not isinstance(table, nn.Embedding) or weight is None:
