@@ -87,6 +87,22 @@ def test_bad_requests_get_a_4xx_and_the_server_keeps_serving(server, client, ref
         with pytest.raises(urllib.error.HTTPError) as err:
             urllib.request.urlopen(request, timeout=30)
         assert 400 <= err.value.code < 500, body
+    # Malformed fields transformers would fail on with a 500: a 400 in OpenAI's shape naming the field.
+    chat = {"model": server["model"], "messages": [{"role": "user", "content": "Hi"}]}
+    for route, body, named in (("/v1/chat/completions", {**chat, "messages": []}, "messages must be a non-empty"),
+                               ("/v1/chat/completions", {**chat, "messages": "hi"}, "messages must be"),
+                               ("/v1/chat/completions", {**chat, "messages": [{"content": "x"}]}, "messages[0]"),
+                               ("/v1/chat/completions", {**chat, "max_tokens": "abc"}, "max_tokens must be"),
+                               ("/v1/completions", {"prompt": PROMPT, "max_tokens": 0}, "max_tokens must be"),
+                               ("/v1/completions", {"prompt": PROMPT, "temperature": "hot"}, "temperature must"),
+                               ("/v1/completions", {"prompt": PROMPT, "stop": 5}, "stop must be")):
+        request = urllib.request.Request(server["base"] + route, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(request, timeout=30)
+        error = json.loads(err.value.read())["error"]
+        assert err.value.code == 400 and error["type"] == "invalid_request_error", body
+        assert named in error["message"], (body, error)
     answer = client.completions.create(model=server["model"], prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0)
     assert answer.choices[0].text == reference[1]
 

@@ -6,7 +6,8 @@ is loaded (`manager.OffloadModelManager`) and adds one read-only endpoint, `/v1/
 no extension point for either, so `hook.py` swaps two names of `transformers.cli.serving` while the server runs, and
 `hook.check_transformers()` names what changed when transformers no longer has them.
 
-Modules: `args` (the subcommand's flags), `cli` (its run), `hook`, `manager`. Needs the `serve` extra:
+Modules: `args` (the subcommand's flags), `cli` (its run), `hook`, `manager`, `request_checks` (a 400 for a
+malformed field), `served_batching`. Needs the `serve` extra:
 `pip install "hf-moe-offload[serve]"`.
 
 Example:

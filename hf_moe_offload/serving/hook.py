@@ -26,6 +26,7 @@ from transformers.generation.continuous_batching import continuous_api
 
 from ..policy.offload_policy import OffloadPolicy
 from .manager import OffloadModelManager, stats_payload
+from .request_checks import CheckedRequests
 from .served_batching import NO_ROOM
 
 logger = logging.getLogger(__name__)
@@ -93,6 +94,7 @@ def _build_server(original, model_manager, *args: Any, generation_state=None, **
     """transformers' app, plus the stats route, and its generation threads stopped when the app shuts down."""
     app = original(model_manager, *args, generation_state=generation_state, **kwargs)
     app.add_api_route(STATS_ROUTE, lambda: stats_payload(model_manager), methods=["GET"])
+    app.add_middleware(CheckedRequests)          # a malformed field: a 400 naming it, not a 500 from inside
     for error in FAILED_REQUEST_ERRORS:
         app.add_exception_handler(error, _failed_request)
     own_lifespan = app.router.lifespan_context
