@@ -150,6 +150,17 @@ def test_gptq_dequantization_is_the_reference_bit_for_bit(bits, group, sym, act_
     assert (out.float() - w).abs().max() < 0.05 * (2 if bits == 4 else 0.2)   # and it is the weight, to 4/8 bits
 
 
+@pytest.mark.parametrize("bad", [8, -1])
+def test_a_g_idx_outside_the_groups_is_named_as_damage(bad):
+    """act-order's g_idx names each input's group; one outside the scales' groups (a damaged file) is refused, not
+    an IndexError from a reader thread, nor a negative index wrapping around."""
+    t = gptq_pack(torch.randn(96, 256, generator=torch.Generator().manual_seed(0)), 4, 32, False, True)
+    t["g_idx"] = t["g_idx"].clone()
+    t["g_idx"][5] = bad                                             # 256 inputs in groups of 32: 0..7
+    with pytest.raises(CheckpointError, match="g_idx names group .*scales have 8 groups"):
+        dequantize(PackedFormat("gptq", 4, 32, zero_offset=1, act_order=True), t, (96, 256))
+
+
 @pytest.mark.parametrize("group", [32, 64, 128, -1])
 def test_awq_dequantization_is_the_reference_bit_for_bit(group):
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(group + 7)) * 0.05

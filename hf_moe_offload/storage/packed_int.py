@@ -30,6 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .checkpoint import CheckpointError
+
 # The word order AWQ's GEMM packer writes (output column 8c + AWQ_ORDER[j] in value j of word c), and its inverse.
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
@@ -156,7 +158,7 @@ def dequantize_into(fmt: PackedFormat, tensors: dict[str, torch.Tensor], out: to
             zp = tensors["weight_zero_point"]
             zeros += zp.float() if zp.dtype == torch.int8 else \
                 unpack_int32(zp, fmt.bits, dim=0)[:out_features].float() - offset
-    groups = _group_of_inputs(fmt, tensors, in_features, scales.device)
+    groups = _group_of_inputs(fmt, tensors, in_features, scales.device, scales.shape[1])
     step = max(1, CHUNK_ELEMENTS // max(in_features, 1))
     for start in range(0, out_features, step):
         rows = slice(start, min(start + step, out_features))
@@ -187,12 +189,16 @@ def _awq_into(fmt: PackedFormat, t: dict[str, torch.Tensor], out: torch.Tensor) 
         out[:, start:stop].copy_(q.to(scales.dtype).T)
 
 
-def _group_of_inputs(fmt: PackedFormat, tensors: dict[str, torch.Tensor], in_features: int, device
-                     ) -> torch.Tensor | int:
+def _group_of_inputs(fmt: PackedFormat, tensors: dict[str, torch.Tensor], in_features: int, device,
+                     num_groups: int) -> torch.Tensor | int:
     """The group of every input: `g_idx` (GPTQ act-order) or k // group_size as an index tensor, or the group size
     itself when the groups are whole and in order (then scales broadcast over them, no gather)."""
     if "g_idx" in tensors:
-        return tensors["g_idx"].long()
+        groups = tensors["g_idx"].long()
+        if groups.numel() and (int(groups.min()) < 0 or int(groups.max()) >= num_groups):
+            raise CheckpointError(f"a GPTQ g_idx names group {int(groups.min())}..{int(groups.max())}, and its "
+                                  f"scales have {num_groups} groups: the checkpoint is damaged")
+        return groups
     size = in_features if fmt.group_size == -1 else fmt.group_size
     if in_features % size == 0:
         return size
