@@ -344,6 +344,8 @@ def test_a_float_checkpoint_that_says_gptq_is_named(tmp_path):
     (lambda t, k: t.__setitem__(f"{k}.scales", t[f"{k}.scales"][:1].contiguous()),
      r"experts\.1\.w2\.scales in .* is torch.float16 \[1, 128\].*needs torch.float32 or torch.bfloat16 or "
      r"torch.float16 \[8, 128\]"),
+    (lambda t, k: t.__setitem__(f"{k}.qweight", t[f"{k}.qweight"][:8].contiguous()),
+     r"experts\.1\.w2\.\w+ in .*the size qweight \[8, 128\] gives.*one of the two is damaged"),
 ])
 def test_missing_or_misshapen_tensors_are_named_before_loading(tmp_path, damage, message):
     packed, _ = _gptq_checkpoint(tmp_path)

@@ -109,8 +109,9 @@ def _packed_source(index: CheckpointIndex, module: str, fmt: PackedFormat, width
         if entry.dtype not in dtypes or tuple(entry.shape) != want[name]:
             raise CheckpointError(
                 f"{module}.{name} in {entry.path} is {entry.dtype} {list(entry.shape)}, but a {_describe(fmt)} "
-                f"layer of {dense[0]} outputs x {dense[1]} inputs needs {' or '.join(map(str, dtypes))} "
-                f"{list(want[name])}")
+                f"layer of {dense[0]} outputs x {dense[1]} inputs (the size {names[0]} "
+                f"{list(entries[names[0]].shape)} gives) needs {' or '.join(map(str, dtypes))} {list(want[name])}; "
+                f"one of the two is damaged, or the layer was quantized with other settings than the config's")
     scales = entries["weight_scale" if fmt.method == "compressed-tensors" else "scales"]
     codes = entries[names[0]]
     ranges = tuple((name, index.locate(f"{module}.{name}")) for name in names)
