@@ -70,7 +70,7 @@ TOWERS = {
     "qwen4_exp": dict(vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2,
                                          out_hidden_size=32, num_position_embeddings=16)),
 }
-TOWERS["qwen3_5_moe"] = TOWERS["qwen4_exp"]      # the same vision tower
+TOWERS["qwen3_5_moe"] = TOWERS["qwen3_vl_moe"] = TOWERS["qwen4_exp"]      # the same vision tower
 OVERRIDES["dots3_note"], OVERRIDES["qwen4_exp"] = OVERRIDES["dots3_note_text"], OVERRIDES["qwen4_exp_text"]
 # Families whose tiny model cannot be built here, and why (none today).
 SKIP: dict[str, str] = {}
@@ -171,6 +171,26 @@ def test_family_offloaded_to_disk_gives_the_same_tokens(model_type, micro_batche
     if micro_batches > 1:
         assert stats["repeat_reads"] == 0
         assert stats["micro_batches"]["split"] + stats["micro_batches"]["whole"] > 0
+
+
+@pytest.mark.parametrize("model_type", ["dots3_note", "qwen3_5_moe", "qwen3_vl_moe"])
+def test_vision_text_families_load_as_image_text_to_text_and_save_whole(model_type, tmp_path):
+    """Loaded as their whole vision + text model: the experts are found where the published layout keeps them (at
+    the top for Dots3-Note, which transformers renames by class), and `save_pretrained` writes every expert through
+    the family's save-time conversions (Qwen3-VL-MoE's transposes check the shapes they write)."""
+    torch.manual_seed(0)
+    tiny_model(model_type).save_pretrained(tmp_path / "model")
+    ids, mask = token_inputs(2, 6)
+    kwargs = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    unpatched = AutoModelForImageTextToText.from_pretrained(tmp_path / "model").eval()
+    model = AutoModelForImageTextToText.from_pretrained(tmp_path / "model", offload_policy={
+        "device": "cpu", "store": "disk", "expert_cache": "34%"}).eval()
+    want = unpatched.generate(ids, **kwargs)
+    assert torch.equal(model.generate(ids, **kwargs), want)
+    model.save_pretrained(tmp_path / "saved")
+    saved = AutoModelForImageTextToText.from_pretrained(tmp_path / "saved").eval()
+    assert saved.state_dict().keys() == unpatched.state_dict().keys()
+    assert all(torch.equal(saved.state_dict()[k], v) for k, v in unpatched.state_dict().items())
 
 
 def test_discovery_registers_the_families_seen_to_work():

@@ -179,8 +179,11 @@ def _num_experts(module: nn.Module) -> int:
 
 
 def checkpoint_key_candidates(name: str, renames: tuple[tuple[str, str], ...] = ()) -> list[str]:
-    """Checkpoint prefixes that may hold the module `name`: itself, its legacy renames, with or without "model."."""
+    """Checkpoint prefixes that may hold the module `name`: itself, its legacy renames, with or without "model.";
+    for a vision + text model's language model, also without "language_model." (checkpoints that store the text
+    model at the top, which transformers renames by the model's class: Dots3-Note)."""
     names = [name] + [name.replace(new, old) for old, new in renames if new in name]
+    names += [n.replace("language_model.", "", 1) for n in names if "language_model." in n]
     out: list[str] = []
     for n in names:
         for cand in (n, n.removeprefix("model."), "model." + n):

@@ -19,7 +19,7 @@ from torch import nn
 
 from ..arch import MoEArch
 from ..hooks import HookHandle, LayerHook
-from ..layout import MoELayer, SlabLayout
+from ..layout import RELEASED_ATTR, MoELayer, SlabLayout
 from ..memory.cache import ExpertCache, fetch_landed
 from ..memory.cache_group import CacheGroup, DevicePlan, build_cache_group
 from ..policy.offload_policy import OffloadPolicy, PolicyError
@@ -230,6 +230,7 @@ class OffloadEngine(NotCopyable):
         # An instance attribute shadows nn.Module._apply for this model only; `.to`, `.half`, `.cuda`... go there.
         self.model._apply = self._guarded_apply
         self.model.num_parameters = self._num_parameters      # the experts are no module parameters now
+        self.model.get_parameter = self._get_parameter        # save_pretrained's conversions check their shapes
         # Bound methods, not lambdas: a copy or pickle of the model reaches the engine and gets its clear error.
         self._model_hooks.append(self.model.register_forward_pre_hook(self._count_model_forward))
         # generate() auto-compiles static-cache decoding on CUDA; the offloaded forward decides on the host at every
@@ -244,6 +245,17 @@ class OffloadEngine(NotCopyable):
                 state_dict[prefix + name] = tensor
 
         return add_experts
+
+    def _get_parameter(self, target: str) -> nn.Parameter:
+        """`nn.Module.get_parameter`, and for an offloaded expert weight a meta parameter of its shape and dtype:
+        transformers' save-time conversions (Qwen3-VL-MoE's transposes) check the shape of what they write."""
+        path, _, name = target.rpartition(".")
+        module = self.model.get_submodule(path)
+        released = module.__dict__.get(RELEASED_ATTR, {})
+        if name in released and getattr(module, name, None) is None:
+            shape, dtype, requires_grad, _ = released[name]
+            return nn.Parameter(torch.empty(shape, dtype=dtype, device="meta"), requires_grad=requires_grad)
+        return type(self.model).get_parameter(self.model, target)
 
     def _count_model_forward(self, module: nn.Module, args: tuple) -> None:
         self.stats.record_model_forward()
@@ -324,6 +336,7 @@ class OffloadEngine(NotCopyable):
         self._remove_hooks()
         del self.model._apply
         del self.model.num_parameters
+        del self.model.get_parameter
         del self.model._valid_auto_compile_criteria
         for layer in self.layers:
             self.arch.detach(self.model, layer)
