@@ -79,3 +79,34 @@ def test_models_dropped_without_disable_give_back_files_and_threads(tiny_models)
         time.sleep(0.05)
     assert files_after == files
     assert threads_after <= threads
+
+
+MAIN_RETURNS_WHILE_A_THREAD_GENERATES = """
+import sys, threading, torch
+sys.path.insert(0, {tests!r})
+from conftest import VOCAB, offloaded, reference
+ids = torch.randint(3, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+kwargs = dict(max_new_tokens=12, do_sample=False, pad_token_id=0)
+want = reference("mixtral", {path!r}).generate(ids, **kwargs)
+model = offloaded("mixtral", {path!r}, device="cpu", store="disk", expert_cache="34%", prefetch="auto")
+
+def worker():
+    for _ in range(3):
+        print("same" if torch.equal(model.generate(ids, **kwargs), want) else "DIFFERENT", flush=True)
+
+threading.Thread(target=worker).start()       # not a daemon: the process lives until it ends
+"""
+
+
+def test_a_thread_generating_after_the_main_thread_returned_finishes_and_the_process_exits(tiny_models):
+    """At interpreter exit Python stops every thread pool before it waits for the user's threads: the readers'
+    pools refuse new work then, and the reads run on the generating thread instead of waiting forever."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    script = MAIN_RETURNS_WHILE_A_THREAD_GENERATES.format(tests=str(Path(__file__).parent),
+                                                           path=tiny_models["mixtral"])
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["same"] * 3, done.stdout

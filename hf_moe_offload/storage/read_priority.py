@@ -156,6 +156,21 @@ class _Job:
         self.run, self.future, self.claimed = run, future, False
 
 
+def submit_or_run(pool: ThreadPoolExecutor, work: Callable[..., Any], *args: Any) -> Future:
+    """`pool.submit(work, *args)`; where the pool takes no more work (closed, or the interpreter exiting while
+    other threads still generate: its exit hook stops every pool first) `work` runs on this thread instead, and
+    the future returned is already settled. Nothing submitted is left that nothing will finish."""
+    try:
+        return pool.submit(work, *args)
+    except RuntimeError:
+        done: Future = Future()
+        try:
+            done.set_result(work(*args))
+        except BaseException as err:      # the future carries it, as the pool's would
+            done.set_exception(err)
+        return done
+
+
 class PriorityReaders:
     """A thread pool that runs demand jobs before queued speculative jobs, first come first served within each.
 
@@ -192,8 +207,14 @@ class PriorityReaders:
             heapq.heappush(self._jobs, (0 if demand else 1, next(self._order), entry))
         try:
             self._pool.submit(_run_best, self._jobs, self._lock)
-        except RuntimeError:        # closed: `close` runs every job queued before, this one's first push too
-            pass
+        except RuntimeError:
+            # Closed, or the interpreter is exiting (its hook stops every pool while other threads still generate):
+            # queued jobs run here until this one has run, or is running elsewhere. Nothing is left unfinished.
+            while True:
+                with self._lock:
+                    if entry.claimed or not self._jobs:
+                        return
+                _run_best(self._jobs, self._lock)
 
     def close(self) -> None:
         """Run every queued job, then stop the threads."""

@@ -38,7 +38,7 @@ from .integrity import ExpertChecksums, FileIdentity, check_identity
 from .packed_layout import PackedSlabLayout
 from .pages import release_pages
 from .quantize import QuantizedSlabLayout
-from .read_priority import DemandGate, Promotion, current_promotion, reading_speculatively
+from .read_priority import DemandGate, Promotion, current_promotion, reading_speculatively, submit_or_run
 
 # cudaHostRegister pins whole pages; a buffer owns the pages it registers so that no two registrations overlap.
 PAGE = mmap.PAGESIZE
@@ -412,7 +412,7 @@ class DiskStore(ExpertStore):
 
     def _read_at_once(self, chunks: list) -> None:
         """The first chunk on this thread, the rest on the chunk readers, all at once."""
-        futures = [self._chunk_readers().submit(read, rng, buf) for read, rng, buf in chunks[1:]]
+        futures = [submit_or_run(self._chunk_readers(), read, rng, buf) for read, rng, buf in chunks[1:]]
         try:
             if chunks:
                 read, rng, buf = chunks[0]
@@ -431,7 +431,7 @@ class DiskStore(ExpertStore):
                 self._demand.wait_for_no_demand(promotion)
                 if promotion.promoted:
                     return chunks[i:]
-                in_flight.append(self._chunk_readers().submit(read, rng, buf))
+                in_flight.append(submit_or_run(self._chunk_readers(), read, rng, buf))
             return []
         finally:
             _wait_all(in_flight)

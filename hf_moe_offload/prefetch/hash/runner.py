@@ -56,6 +56,7 @@ from torch import nn
 from ..._compat import is_continuous_batching, kv_cache
 from ...arch.routing import kind_of
 from ...hooks import LayerHook
+from ...storage.read_priority import submit_or_run
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +174,7 @@ class HashBuilder:
 
     def submit(self, work: Any, *args: Any) -> Future:
         """Run `work(*args)` (one of the methods below) on the hash thread."""
-        return self._pool.submit(work, *args)
+        return submit_or_run(self._pool, work, *args)     # at interpreter exit: on the caller's thread
 
     @torch.inference_mode()
     def speculate(self, caller: _CallerState, guess: torch.Tensor, inputs_ready):
