@@ -52,6 +52,16 @@ def test_a_variant_loads_the_experts_of_that_variant(tmp_path):
     _assert_offloaded_as_transformers_loads(root, variant="v2")
 
 
+def test_use_safetensors_false_is_refused_where_a_bin_would_be_read_beside_the_experts(tmp_path):
+    """A folder with both formats: transformers would load the .bin while the experts come from the safetensors
+    files, two different sets of weights. Refused before anything loads."""
+    root = build_tiny("mixtral", tmp_path / "both")
+    model = AutoModelForCausalLM.from_pretrained(root)
+    torch.save({k: v * 3 for k, v in model.state_dict().items()}, os.path.join(root, "pytorch_model.bin"))
+    with pytest.raises(hf_moe_offload.PolicyError, match="use_safetensors=False cannot be combined"):
+        AutoModelForCausalLM.from_pretrained(root, use_safetensors=False, offload_policy=POLICY)
+
+
 def test_the_package_loader_finds_a_checkpoint_in_a_subfolder(tmp_path):
     """`hf_moe_offload.from_pretrained(root, policy, subfolder=...)` reads the config from the subfolder too."""
     root = tmp_path / "only_in_sub"

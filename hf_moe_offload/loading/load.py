@@ -76,6 +76,10 @@ def load_offloaded(model_cls: type, pretrained_model_name_or_path: str, policy: 
                    original_from_pretrained: Callable[..., PreTrainedModel], **kwargs) -> PreTrainedModel:
     """`from_pretrained` with experts offloaded according to `policy` (see `hf_moe_offload.from_pretrained`)."""
     policy = OffloadPolicy.from_any(policy)
+    if kwargs.get("use_safetensors") is False:      # transformers would read a .bin beside the files read here
+        raise PolicyError("use_safetensors=False cannot be combined with offload_policy: the experts are read per "
+                          "expert from the checkpoint's safetensors files (a .bin checkpoint cannot be); leave "
+                          "use_safetensors unset or True")
     offload_folder, user_map, max_memory = _offload_kwargs(policy, kwargs)
     hub_kwargs = {k: kwargs[k] for k in HUB_KWARGS if k in kwargs}
     root = resolve_checkpoint_dir(pretrained_model_name_or_path, **hub_kwargs)
