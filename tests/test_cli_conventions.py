@@ -65,10 +65,25 @@ def test_a_missing_model_folder_is_one_line_and_status_2(command, capsys, tmp_pa
     assert "--model /no/such/dir: no such folder; expected a local checkpoint folder or a Hub model id" in err
 
 
-def test_debug_shows_the_traceback_instead(tmp_path, monkeypatch):
+def test_debug_shows_the_traceback_too_and_keeps_the_status(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match="no such folder"):
-        main([*_commands("/no/such/dir")["demo"], "--debug"])
+    assert main([*_commands("/no/such/dir")["demo"], "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and err.rstrip().splitlines()[-1].startswith("hf-moe-offload demo: error: ")
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130(tmp_path, monkeypatch, capsys):
+    """A KeyboardInterrupt while a command works (here: while it measures the machine) gives the shell's status
+    for Ctrl-C and one line, not a traceback."""
+    import hf_moe_offload.planning.measure as measure_module
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+    monkeypatch.setenv("HF_MOE_OFFLOAD_CACHE", str(tmp_path))
+    monkeypatch.setattr(measure_module, "measure", interrupted)
+    assert main(["profile", "--out", str(tmp_path / "p.json")]) == 130
+    err = capsys.readouterr().err
+    assert err.strip() == "hf-moe-offload profile: interrupted" and not (tmp_path / "p.json").exists()
 
 
 @pytest.mark.parametrize("command", ["demo", "plan", "perplexity", "train-hash"])

@@ -5,7 +5,7 @@
   `--batch_size`), and help that shows a default only where there is one (`HelpFormatter`).
 - Errors that are the user's to fix (`USER_ERRORS`: a missing path, an unsupported model, a bad policy, ...) end
   with one line ``<prog>: error: ...`` on stderr and exit status 2 (`report_user_errors`); `--debug` shows the
-  traceback instead.
+  traceback before it. Ctrl-C ends a command with ``<prog>: interrupted`` and status 130.
 - `--model` is checked before anything is loaded (`model_config`, `check_model`).
 
 Example:
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,17 +104,25 @@ def one_line(err: BaseException) -> str:
     return " ".join(str(err).split()) or type(err).__name__
 
 
+INTERRUPTED = 130        # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+
+
 def report_user_errors(prog: str, debug: bool, run: Callable[[], int],
                        errors: tuple[type[BaseException], ...] = ()) -> int:
-    """`run()`'s status; a user error (`USER_ERRORS` + `errors`) prints ``<prog>: error: ...`` and gives 2, or
-    propagates with its traceback when `debug`."""
+    """`run()`'s status; a user error (`USER_ERRORS` + `errors`) prints ``<prog>: error: ...`` and gives 2 (with
+    `debug`, its traceback first); Ctrl-C prints ``<prog>: interrupted`` and gives 130."""
     try:
         return run()
     except (*USER_ERRORS, *errors) as err:
         if debug:
-            raise
+            traceback.print_exc()
         print(f"{prog}: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"{prog}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 def model_config(path: str | os.PathLike, flag: str = "--model", gguf_file: str | None = None, *,

@@ -26,6 +26,7 @@ import contextlib
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -33,7 +34,7 @@ import torch
 from .._logging import configure_cli_logging
 from ..policy.offload_policy import field_names
 from . import quiet_custom_dataset_hint, tasks_dir
-from .cli_support import LOG_LEVELS, USER_ERRORS, check_model, given_flags, model_config, one_line
+from .cli_support import INTERRUPTED, LOG_LEVELS, USER_ERRORS, check_model, given_flags, model_config, one_line
 from .distributed import launch_world
 from .policy_args import FOREIGN_PREFIXED, POLICY_KEY, PREFIX, accepted_keys
 
@@ -81,9 +82,14 @@ def run_lm_eval(argv: Sequence[str]) -> int:
         parser.execute(args)
     except USER_ERRORS as err:
         if debug:
-            raise
+            traceback.print_exc()
         print(f"{PROG}: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        if debug:
+            traceback.print_exc()
+        print(f"{PROG}: interrupted", file=sys.stderr)
+        return INTERRUPTED
     except SystemExit as exit_:
         return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
     return 0
