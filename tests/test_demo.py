@@ -29,6 +29,17 @@ def test_demo_command_shows_identical_text_and_the_plan(capsys, caplog):
     assert transformers.logging.get_verbosity() == verbosity
 
 
+def test_demo_with_a_host_store_drops_its_default_disk_cache(capsys):
+    """The demo's default policy caches a quarter of the experts for its disk store; `--store cpu` alone must not
+    be refused for that default (a host store has no separate cache), while a cache given with it still is."""
+    from hf_moe_offload.demo import DEMO_POLICY
+    assert main(["demo", "--max-new-tokens", "2", "--store", "cpu"]) == 0
+    assert "same tokens as without offloading: yes" in capsys.readouterr().out
+    assert DEMO_POLICY["expert_cache"] == "25%"                   # the default itself is untouched
+    assert main(["demo", "--max-new-tokens", "2", "--store", "cpu", "--expert-cache", "25%"]) == 2
+    assert "expert_cache='25%' has no effect with store='cpu'" in capsys.readouterr().err
+
+
 def test_demo_refuses_a_bad_policy_before_loading_anything(capsys, monkeypatch):
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded although the policy is bad")

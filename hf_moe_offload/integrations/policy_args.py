@@ -158,8 +158,11 @@ def _is_union_with_str(hint: Any) -> bool:
 def policy_from_args(args: argparse.Namespace, default: Any = None) -> OffloadPolicy:
     """The validated policy of a namespace parsed with `policy_parser()`: `--policy` (else `default`), with the
     field flags given on top. A bad value raises `PolicyError` naming the field and what is allowed."""
-    base = policy_fields(args.policy if args.policy is not None else default, source="--policy")
-    return OffloadPolicy.from_any({**base, **given_fields(args)})
+    base = dict(policy_fields(args.policy if args.policy is not None else default, source="--policy"))
+    given = given_fields(args)
+    if args.policy is None and "store" in given and "expert_cache" not in given:
+        base.pop("expert_cache", None)   # the command's default cache was sized for its default store
+    return OffloadPolicy.from_any({**base, **given})
 
 
 def given_fields(args: argparse.Namespace | Mapping[str, Any]) -> dict[str, Any]:
