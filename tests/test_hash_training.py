@@ -255,6 +255,19 @@ def saved_predictor(mixtral_dir, tmp_path_factory) -> Path:
     return out
 
 
+def test_a_saved_predictor_is_readable_as_the_umask_allows(mixtral_dir, tmp_path):
+    """safetensors and mkdtemp write owner-only files; a predictor is read by whoever serves the model, so its folder
+    and files get the modes an ordinary mkdir/open would (the process's umask)."""
+    import stat
+    from hf_moe_offload.prefetch.hash.io import process_umask
+    from hf_moe_offload.training.train import save_checkpoint
+    predictor = HashPredictor.for_model(AutoModelForCausalLM.from_pretrained(mixtral_dir), **SMALL)
+    out = save_checkpoint(predictor, tmp_path / "predictor")
+    umask = process_umask()
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
+    assert {stat.S_IMODE(f.stat().st_mode) for f in out.iterdir()} == {0o666 & ~umask}
+
+
 def test_fingerprint_mismatch_is_refused(saved_predictor, switch_dir):
     other = AutoModelForCausalLM.from_config(MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=4,
                                                            num_experts_per_tok=2))

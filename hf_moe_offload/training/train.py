@@ -41,6 +41,7 @@ from transformers import AutoTokenizer
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
 from ..prefetch.hash import CONFIG_NAME, WEIGHTS_NAME, HashPredictor, HashPredictorConfig, embed
+from ..prefetch.hash.io import process_umask
 from .routing_data import (
     EmptyDatasetError,
     RoutingData,
@@ -382,6 +383,7 @@ def save_checkpoint(predictor: HashPredictor, out_dir: str | os.PathLike, traini
     check_out_dir(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    os.chmod(tmp, 0o777 & ~process_umask())      # mkdtemp's folder is owner-only; out_dir is an ordinary folder
     try:
         predictor.save(tmp)
         if training_state is not None:

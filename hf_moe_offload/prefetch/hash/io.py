@@ -68,6 +68,7 @@ class PredictorFilesMixin:
         # The metadata is part of the weights' bytes, hence of the recorded sha256: it must not change, and one key
         # only, since safetensors writes several in no fixed order (the same weights would hash differently).
         save_file(tensors, str(weights), metadata={"hf_moe_offload": f"hash_predictor format {FORMAT_VERSION}"})
+        os.chmod(weights, 0o666 & ~process_umask())      # safetensors writes owner-only; a server may read it
         self.config.weights_sha256 = _sha256(weights)
         with open(directory / CONFIG_NAME, "w", encoding="utf-8") as fh:
             json.dump(self.config.to_dict(), fh, indent=2, default=str)
@@ -378,3 +379,15 @@ def _hub_snapshot(repo_id: str, *, revision: str | None, cache_dir: str | os.Pat
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise PredictorNotFoundError(f"hash predictor not found: {repo_id!r} is not a directory, and {where} {how} "
                                      f"({type(exc).__name__}: {reason}); {_WHAT_IS_A_PREDICTOR}") from None
+
+
+def process_umask() -> int:
+    """This process's umask (the modes a plain `open` / `mkdir` would leave out), read without changing it."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022                                   # the usual one, where the system does not say
