@@ -26,7 +26,6 @@ import contextlib
 import logging
 import os
 import sys
-import traceback
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -34,7 +33,7 @@ import torch
 from .._logging import configure_cli_logging
 from ..policy.offload_policy import field_names
 from . import quiet_custom_dataset_hint, tasks_dir
-from .cli_support import INTERRUPTED, LOG_LEVELS, USER_ERRORS, check_model, given_flags, model_config, one_line
+from .cli_support import LOG_LEVELS, check_model, given_flags, model_config, report_user_errors
 from .distributed import launch_world
 from .policy_args import FOREIGN_PREFIXED, POLICY_KEY, PREFIX, accepted_keys
 
@@ -71,28 +70,21 @@ def run_lm_eval(argv: Sequence[str]) -> int:
     setup_logging(logging.ERROR if quiet else logging.INFO)
     configure_cli_logging(level, quiet)
     quiet_custom_dataset_hint()
-    try:
-        with _argv(["lm-eval", *argv]):
-            parser = HarnessCLI()
-            args = parser.parse_args()
-        _adjust(args, MODEL_NAME)
-        if getattr(args, "command", None) == "run" and args.model == MODEL_NAME:
-            split_model_args(args.model_args or {}, args.device)   # a bad policy fails now, not after indexing
-            _check_pretrained(args.model_args or {})
-        parser.execute(args)
-    except USER_ERRORS as err:
-        if debug:
-            traceback.print_exc()
-        print(f"{PROG}: error: {one_line(err)}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        if debug:
-            traceback.print_exc()
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return INTERRUPTED
-    except SystemExit as exit_:
-        return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
-    return 0
+
+    def run() -> int:
+        try:
+            with _argv(["lm-eval", *argv]):
+                parser = HarnessCLI()
+                args = parser.parse_args()
+            _adjust(args, MODEL_NAME)
+            if getattr(args, "command", None) == "run" and args.model == MODEL_NAME:
+                split_model_args(args.model_args or {}, args.device)   # a bad policy fails now, not after indexing
+                _check_pretrained(args.model_args or {})
+            parser.execute(args)
+        except SystemExit as exit_:
+            return exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+        return 0
+    return report_user_errors(PROG, debug, run)
 
 
 def _adjust(args, model_name: str) -> None:
