@@ -138,11 +138,12 @@ def test_bad_arguments_get_one_error_line(tmp_path, capsys, model_dir):
     assert "need --continuous-batching" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, named", [(["--port", "70000"], "--port: 70000 is out of range"),
+@pytest.mark.parametrize("flags, named", [(["--port", "70000"], "--port: '70000' is out of range"),
                                           (["--chat-template-kwargs", "{bad"], "--chat-template-kwargs: not JSON"),
                                           (["--chat-template-kwargs", "[1]"], "expected a JSON object"),
-                                          (["--continuous-batching", "--cb-block-size", "0"], "--cb-block-size: 0"),
-                                          (["--continuous-batching", "--cb-max-memory-percent", "2"], "between 0 and 1")])
+                                          (["--continuous-batching", "--cb-block-size", "0"], "--cb-block-size: '0'"),
+                                          (["--continuous-batching", "--cb-max-memory-percent", "2"],
+                                           "between 0 and 1")])
 def test_bad_server_flags_are_refused_before_the_model_loads(model_dir, capsys, flags, named):
     """Values transformers serve would fail on with a traceback (a port out of range, kwargs that are not a JSON
     object) or accept and misbehave with (a KV cache block of 0 tokens): argparse's one line, status 2."""

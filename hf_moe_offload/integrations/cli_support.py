@@ -99,6 +99,27 @@ def underscore_aliases(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     return parser
 
 
+def number_type(kind: Callable[[str], Any], allowed: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
+    """An argparse type: `kind(text)` where `ok`, else one line naming what is `allowed` (argparse adds the flag).
+
+    Example:
+        >>> number_type(int, "an integer >= 1", lambda v: v >= 1)("0")
+        Traceback (most recent call last):
+        ...
+        argparse.ArgumentTypeError: '0' is out of range; allowed: an integer >= 1
+    """
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: {allowed}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: {allowed}")
+        return value
+
+    return parse
+
+
 def one_line(err: BaseException) -> str:
     """An error's message on one line."""
     return " ".join(str(err).split()) or type(err).__name__

@@ -49,8 +49,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from .._logging import progress as progress_bar  # `progress` is a parameter name here
 from .._logging import configure_cli_logging
-from .cli_support import (HelpFormatter, UsageError, check_model, common_parser, model_config, report_user_errors,
-                          underscore_aliases)
+from .cli_support import (HelpFormatter, UsageError, check_model, common_parser, model_config, number_type,
+                          report_user_errors, underscore_aliases)
 from ..loading.patch import from_pretrained
 from ..policy.offload_policy import OffloadPolicy, PolicyError, policy_value
 from ..runtime.engine import get_engine
@@ -301,16 +301,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def _at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: an integer >= {low}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: an integer >= {low}")
-        return value
-
-    return parse
+    return number_type(int, f"an integer >= {low}", lambda v: v >= low)
 
 
 def run(args: argparse.Namespace, prog: str = "hf-moe-offload perplexity") -> int:

@@ -7,24 +7,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from ..integrations.cli_support import number_type
+
 DEFAULT_HOST = "127.0.0.1"
+POSITIVE_INT = number_type(int, "an integer >= 1", lambda v: v >= 1)
 # transformers serve's --cb-* flags and the ContinuousBatchingConfig field each sets.
 CB_FLAGS = {"cb_block_size": "block_size", "cb_num_blocks": "num_blocks", "cb_max_batch_tokens": "max_batch_tokens",
             "cb_max_memory_percent": "max_memory_percent", "cb_use_cuda_graph": "use_cuda_graph"}
-
-
-def _bounded(kind: type, low: float, high: float | None = None):
-    """An argparse type: `kind` within [low, high], refused in argparse's one line otherwise."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {kind.__name__}") from None
-        if value < low or (high is not None and value > high):
-            span = f">= {low:g}" if high is None else f"between {low:g} and {high:g}"
-            raise argparse.ArgumentTypeError(f"{text} is out of range: expected {span}")
-        return value
-    return parse
 
 
 def _json_object(text: str) -> str:
@@ -44,7 +33,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                        "id in the local cache; the one model this server answers for")
     srv = parser.add_argument_group("server (transformers serve's flags)")
     srv.add_argument("--host", default=DEFAULT_HOST, help="listen address; expose it only behind a proxy with auth")
-    srv.add_argument("--port", type=_bounded(int, 0, 65535), default=8000, help="listen port")
+    srv.add_argument("--port", type=number_type(int, "an integer between 0 and 65535", lambda v: 0 <= v <= 65535),
+                     default=8000, help="listen port")
     srv.add_argument("--enable-cors", action="store_true", help="permissive CORS (allow every origin)")
     srv.add_argument("--default-seed", type=int, default=None, help="default torch seed")
     srv.add_argument("--dtype", default="auto", help="model dtype ('auto': the checkpoint's)")
@@ -57,10 +47,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cb = parser.add_argument_group("continuous batching (default: sized for the offloaded model; a --cb-* flag "
                                    "sets its field, the others stay sized)")
     cb.add_argument("--continuous-batching", action="store_true", help="batch concurrent requests (paged KV cache)")
-    cb.add_argument("--cb-block-size", type=_bounded(int, 1), default=None, help="KV cache block size in tokens")
-    cb.add_argument("--cb-num-blocks", type=_bounded(int, 1), default=None, help="number of KV cache blocks")
-    cb.add_argument("--cb-max-batch-tokens", type=_bounded(int, 1), default=None, help="most tokens per forward pass")
-    cb.add_argument("--cb-max-memory-percent", type=_bounded(float, 0.0, 1.0), default=None,
-                    help="most memory share for the KV cache")
+    cb.add_argument("--cb-block-size", type=POSITIVE_INT, default=None, help="KV cache block size in tokens")
+    cb.add_argument("--cb-num-blocks", type=POSITIVE_INT, default=None, help="number of KV cache blocks")
+    cb.add_argument("--cb-max-batch-tokens", type=POSITIVE_INT, default=None, help="most tokens per forward pass")
+    cb.add_argument("--cb-max-memory-percent", type=number_type(float, "a number between 0 and 1",
+                                                                lambda v: 0 <= v <= 1),
+                    default=None, help="most memory share for the KV cache")
     cb.add_argument("--cb-use-cuda-graph", action=argparse.BooleanOptionalAction, default=None,
                     help="CUDA graphs (off for offloaded experts unless asked)")

@@ -39,7 +39,6 @@ import shlex
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -48,7 +47,7 @@ from transformers import AutoTokenizer
 
 from .._logging import PACKAGE_LOGGER, configure_cli_logging
 from ..arch import UnsupportedModelError
-from ..integrations.cli_support import (HelpFormatter, check_model, common_parser, model_config,
+from ..integrations.cli_support import (HelpFormatter, check_model, common_parser, model_config, number_type,
                                         report_user_errors, underscore_aliases)
 from ..integrations.policy_args import given_fields, policy_from_args, policy_parser
 from ..loading.patch import auto_model_class
@@ -78,23 +77,10 @@ class OutDirError(ValueError):
 
 # -- argument types: each names what is allowed; argparse adds the flag ---------------------------------------
 
-def _number(kind: Callable[[str], Any], allowed: str, ok: Callable[[Any], bool]) -> Callable[[str], Any]:
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number; allowed: {allowed}") from None
-        if not ok(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is out of range; allowed: {allowed}")
-        return value
-
-    return parse
-
-
-positive_int = _number(int, "an integer >= 1", lambda v: v >= 1)
-positive_float = _number(float, "a number > 0", lambda v: v > 0)
-non_negative_float = _number(float, "a number >= 0", lambda v: v >= 0)
-fraction = _number(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
+positive_int = number_type(int, "an integer >= 1", lambda v: v >= 1)
+positive_float = number_type(float, "a number > 0", lambda v: v > 0)
+non_negative_float = number_type(float, "a number >= 0", lambda v: v >= 0)
+fraction = number_type(float, "a number in [0, 1)", lambda v: 0 <= v < 1)
 
 
 def device_arg(text: str) -> str:
